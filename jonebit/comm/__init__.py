@@ -1,0 +1,23 @@
+"""How bits travel: sign packing, the compressed allreduce and its collective backends."""
+
+from jonebit.comm.backends import AxisBackend, Backend, MPIBackend, get_backend
+from jonebit.comm.compressed import (
+    compressed_allreduce,
+    compressed_allreduce_with,
+    compressed_bytes_per_rank,
+    padded_size,
+)
+from jonebit.comm.packing import pack_signs, unpack_signs
+
+__all__ = [
+    "AxisBackend",
+    "Backend",
+    "MPIBackend",
+    "compressed_allreduce",
+    "compressed_allreduce_with",
+    "compressed_bytes_per_rank",
+    "get_backend",
+    "pack_signs",
+    "padded_size",
+    "unpack_signs",
+]

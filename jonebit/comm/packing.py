@@ -1,0 +1,62 @@
+"""Sign packing: 8 signs per byte, most significant bit first (numpy ``packbits`` order).
+
+A bit is 1 when the value is ``>= 0`` and 0 otherwise, so exact zeros and ``-0.0`` both count as +1:
+1-bit compression cannot represent zero and DeepSpeed makes the same choice.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+# Bit weights of one byte, MSB first.
+_WEIGHTS = np.array([128, 64, 32, 16, 8, 4, 2, 1], dtype=np.uint8)
+_SHIFTS = np.array([7, 6, 5, 4, 3, 2, 1, 0], dtype=np.uint8)
+
+
+def sign_bits(x: jnp.ndarray) -> jnp.ndarray:
+    """Boolean array, True where ``x >= 0`` (so ``0.0`` and ``-0.0`` are positive)."""
+    # `x >= 0` is already True for -0.0 under IEEE comparison; NaN gives False (-1).
+    return x >= 0
+
+
+def pack_signs(x: jnp.ndarray) -> jnp.ndarray:
+    """Packs the signs of a 1-D float array into bytes.
+
+    Args:
+      x: 1-D array of any float dtype.
+
+    Returns:
+      ``uint8`` array of length ``ceil(len(x) / 8)``. Byte ``i`` holds the signs of ``x[8i:8i+8]``, the first
+      element in the most significant bit. When ``len(x)`` is not a multiple of 8, the missing trailing bits
+      are 0; :func:`unpack_signs` with the original length drops them.
+    """
+    x = jnp.asarray(x)
+    if x.ndim != 1:
+        raise ValueError(f"pack_signs expects a 1-D array, got shape {x.shape}")
+    n = x.shape[0]
+    bits = sign_bits(x).astype(jnp.uint8)
+    pad = (-n) % 8
+    if pad:
+        bits = jnp.concatenate([bits, jnp.zeros((pad,), jnp.uint8)])
+    # A weighted sum of 8 bits never exceeds 255, so uint8 arithmetic is exact.
+    return jnp.sum(bits.reshape(-1, 8) * _WEIGHTS, axis=1, dtype=jnp.uint8)
+
+
+def unpack_signs(packed: jnp.ndarray, n: int) -> jnp.ndarray:
+    """Inverse of :func:`pack_signs`: ``float32`` array of ``n`` values in ``{-1, +1}``.
+
+    Args:
+      packed: 1-D ``uint8`` array.
+      n: number of signs to return; at most ``8 * len(packed)``.
+    """
+    packed = jnp.asarray(packed)
+    if packed.dtype != jnp.uint8:
+        raise TypeError(f"unpack_signs expects uint8 bytes, got {packed.dtype}")
+    if packed.ndim != 1:
+        raise ValueError(f"unpack_signs expects a 1-D array, got shape {packed.shape}")
+    if not 0 <= n <= 8 * packed.shape[0]:
+        raise ValueError(f"cannot unpack {n} signs from {packed.shape[0]} bytes")
+    bits = (packed[:, None] >> _SHIFTS) & 1
+    signs = bits.astype(jnp.float32) * 2.0 - 1.0
+    return signs.reshape(-1)[:n]
