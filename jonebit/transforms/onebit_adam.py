@@ -68,6 +68,10 @@ class OneBitAdamState(NamedTuple):
     server_error: Any
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, int | float | np.number)
+
+
 def _check_float_leaves(tree, what: str) -> None:
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         dtype = getattr(leaf, "dtype", None)
@@ -219,11 +223,13 @@ def onebit_adam(
             "onebit_adam: freeze_step=0 would freeze a variance that was never estimated (v = 0, so every update "
             "is m / eps); use at least a few hundred warmup steps (DeepSpeed recommends 15-25% of training)"
         )
+    # Values may be arrays under optax.inject_hyperparams; only plain numbers are checked here.
     for name, value in (("b1", b1), ("b2", b2)):
-        if not 0.0 <= value < 1.0:
+        if _is_number(value) and not 0.0 <= value < 1.0:
             raise ValueError(f"onebit_adam: {name} must be in [0, 1), got {value}")
-    if eps <= 0:
+    if _is_number(eps) and eps <= 0:
         raise ValueError(f"onebit_adam: eps must be > 0, got {eps}")
+    decays = not (_is_number(weight_decay) and weight_decay == 0)
     if mpi_comm is not None:
         axis_name = None
     freeze_step = int(freeze_step)
@@ -267,7 +273,7 @@ def onebit_adam(
         return m, we, se
 
     def update_fn(grads, state, params=None):
-        if weight_decay and params is None:
+        if decays and params is None:
             raise ValueError("onebit_adam: weight_decay needs params; call update(grads, state, params)")
         _check_float_leaves(grads, "gradient")
         backend = get_backend(axis_name, mpi_comm)
@@ -309,7 +315,7 @@ def onebit_adam(
 
         def direction(m, v, p):
             u = (m / c1) / (jnp.sqrt(v / c2) + eps)
-            if weight_decay:
+            if decays:
                 u = u + weight_decay * p.astype(jnp.float32)
             return u
 
