@@ -66,10 +66,11 @@ def time_steps(step, warmup: int, steps: int) -> tuple[list[float], float]:
     for _ in range(warmup):
         loss = step()
     times = []
-    for _ in range(steps):
+    for i in range(steps):
         t0 = time.perf_counter()
         loss = step()
         times.append(time.perf_counter() - t0)
+        print(f"  step {i + 1}/{steps}: {times[-1]:.3f} s", flush=True)
     return times, float(loss)
 
 
@@ -149,8 +150,10 @@ def main(args) -> None:
         raise SystemExit(f"--seq {args.seq} exceeds max_position_embeddings {config.max_position_embeddings}")
     batch = make_batch(config.vocab_size, args.batch, args.seq)
     tokens = args.batch * args.seq
+    print("jonebit (JAX)", flush=True)
     results = {"jonebit": bench_jonebit(args, batch)}
     if not args.skip_torch:
+        print("transformers (PyTorch)", flush=True)
         results["pytorch"] = bench_torch(args, batch)
     for r in results.values():
         r["median_step_s"] = statistics.median(r["times_s"])
