@@ -2,7 +2,8 @@
 
 Both frameworks train BertForPreTraining of the same configuration on the same batch (masked LM + next sentence
 loss, dropout on), pinned to the same cores with the same thread count. Reports tokens/s (median of the timed steps)
-and the jonebit / PyTorch ratio measured in this one run, prints a table and writes JSON.
+and the jonebit / PyTorch ratio measured in this one run (timed steps alternate between the two, so that load from
+other processes falls on both alike), prints a table and writes JSON.
 
     python benchmarks/bert_step.py --config base --batch 8 --seq 128 --threads 2
 """
@@ -62,16 +63,20 @@ def make_batch(vocab: int, batch: int, seq: int, seed: int = 0) -> dict[str, np.
     return dict(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels, next_sentence_label=nsp)
 
 
-def time_steps(step, warmup: int, steps: int) -> tuple[list[float], float]:
-    for _ in range(warmup):
-        loss = step()
-    times = []
+def run_interleaved(steps_by_name: dict, warmup: int, steps: int) -> dict[str, list[float]]:
+    """Warm every framework up, then alternate their timed steps so that load from other processes on the machine
+    falls on both alike."""
+    for step in steps_by_name.values():
+        for _ in range(warmup - 1):  # the first (compiling) step already ran
+            step()
+    times: dict[str, list[float]] = {name: [] for name in steps_by_name}
     for i in range(steps):
-        t0 = time.perf_counter()
-        loss = step()
-        times.append(time.perf_counter() - t0)
-        print(f"  step {i + 1}/{steps}: {times[-1]:.3f} s", flush=True)
-    return times, float(loss)
+        for name, step in steps_by_name.items():
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+            print(f"  step {i + 1}/{steps} {name}: {times[name][-1]:.3f} s", flush=True)
+    return times
 
 
 def bench_jonebit(args, batch) -> dict:
@@ -103,12 +108,11 @@ def bench_jonebit(args, batch) -> dict:
         optimizer.update(model, grads)
         return loss
 
+    step = lambda: float(train_step(model, optimizer, data))
     t0 = time.perf_counter()
-    train_step(model, optimizer, data).block_until_ready()
-    compile_s = time.perf_counter() - t0
-    step = lambda: train_step(model, optimizer, data).block_until_ready()
-    times, loss = time_steps(step, args.warmup - 1, args.steps)
-    return dict(times_s=times, loss=loss, first_step_s=compile_s, version=f"jax {jax.__version__}")
+    step()
+    first = time.perf_counter() - t0
+    return step, dict(first_step_s=first, version=f"jax {jax.__version__}")
 
 
 def bench_torch(args, batch) -> dict:
@@ -130,14 +134,12 @@ def bench_torch(args, batch) -> dict:
         loss = model(**data).loss
         loss.backward()
         optimizer.step()
-        return loss.detach()
+        return float(loss.detach())
 
     t0 = time.perf_counter()
     step()
     first = time.perf_counter() - t0
-    times, loss = time_steps(step, args.warmup - 1, args.steps)
-    return dict(times_s=times, loss=loss, first_step_s=first,
-                version=f"torch {torch.__version__}, transformers {transformers.__version__}")
+    return step, dict(first_step_s=first, version=f"torch {torch.__version__}, transformers {transformers.__version__}")
 
 
 def main(args) -> None:
@@ -150,17 +152,22 @@ def main(args) -> None:
         raise SystemExit(f"--seq {args.seq} exceeds max_position_embeddings {config.max_position_embeddings}")
     batch = make_batch(config.vocab_size, args.batch, args.seq)
     tokens = args.batch * args.seq
-    print("jonebit (JAX)", flush=True)
-    results = {"jonebit": bench_jonebit(args, batch)}
+    print("jonebit (JAX): building and compiling", flush=True)
+    steps, results = {}, {}
+    steps["jonebit"], results["jonebit"] = bench_jonebit(args, batch)
     if not args.skip_torch:
-        print("transformers (PyTorch)", flush=True)
-        results["pytorch"] = bench_torch(args, batch)
-    for r in results.values():
+        print("transformers (PyTorch): building, first step", flush=True)
+        steps["pytorch"], results["pytorch"] = bench_torch(args, batch)
+    times = run_interleaved(steps, args.warmup, args.steps)
+    for name, r in results.items():
+        r["times_s"] = times[name]
+        r["loss"] = steps[name]()  # one more step: the loss after warmup + timed steps, a sanity check
         r["median_step_s"] = statistics.median(r["times_s"])
         r["tokens_per_s"] = tokens / r["median_step_s"]
 
     report = dict(
         benchmark="BertForPreTraining forward+backward+AdamW step, CPU",
+        load_average_at_end=os.getloadavg(),
         config=args.config, batch=args.batch, seq=args.seq, threads=args.threads, warmup=args.warmup,
         steps=args.steps, cpu=platform.processor() or platform.machine(), results=results,
     )
