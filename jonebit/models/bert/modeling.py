@@ -1,0 +1,367 @@
+"""BERT in Flax NNX: encoder, pre-training heads (masked LM + next sentence) and extractive question answering.
+
+Module and parameter names follow the HuggingFace Flax BERT tree (``embeddings.word_embeddings.embedding``,
+``encoder.layer.0.attention.self.query.kernel``, ``...LayerNorm.scale``), so converting a PyTorch checkpoint is a
+renaming plus a transpose of the dense kernels (see ``params.py``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from jonebit.models.bert.config import BertConfig
+
+Array = jax.Array
+
+
+@struct.dataclass
+class BertModelOutput:
+    """Args:
+    last_hidden_state: ``[batch, seq, hidden]`` output of the last layer.
+    pooler_output: ``[batch, hidden]`` tanh(dense(first token)), or None for a model built without a pooler.
+    """
+
+    last_hidden_state: Array
+    pooler_output: Array | None = None
+
+
+@struct.dataclass
+class BertForPreTrainingOutput:
+    """Args:
+    prediction_logits: ``[batch, seq, vocab]`` masked-LM logits (float32).
+    seq_relationship_logits: ``[batch, 2]`` next-sentence logits (float32; 0 = is next).
+    last_hidden_state: the encoder output the heads were applied to.
+    """
+
+    prediction_logits: Array
+    seq_relationship_logits: Array
+    last_hidden_state: Array
+
+
+@struct.dataclass
+class QuestionAnsweringOutput:
+    """Args:
+    start_logits: ``[batch, seq]`` answer-start logits (float32).
+    end_logits: ``[batch, seq]`` answer-end logits (float32).
+    """
+
+    start_logits: Array
+    end_logits: Array
+
+
+def _dense(config: BertConfig, din: int, dout: int, dtype, param_dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(
+        din,
+        dout,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        kernel_init=nnx.initializers.normal(config.initializer_range),
+        rngs=rngs,
+    )
+
+
+def _layer_norm(config: BertConfig, dtype, param_dtype, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    # Flax computes the statistics in float32 even for bf16 inputs, so only the output is in `dtype`.
+    return nnx.LayerNorm(
+        config.hidden_size, epsilon=config.layer_norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+    )
+
+
+def _embed(config: BertConfig, n: int, param_dtype, rngs: nnx.Rngs) -> nnx.Embed:
+    # Looked up in the parameter dtype; the sum of the three embeddings is cast by the LayerNorm that follows.
+    return nnx.Embed(
+        n,
+        config.hidden_size,
+        param_dtype=param_dtype,
+        embedding_init=nnx.initializers.normal(config.initializer_range),
+        rngs=rngs,
+    )
+
+
+def attention_bias(attention_mask: Array | None) -> Array | None:
+    """Additive float32 bias ``[batch, 1, 1, seq]``: 0 where ``attention_mask`` is 1, the float32 minimum where 0."""
+    if attention_mask is None:
+        return None
+    keep = attention_mask[:, None, None, :].astype(bool)
+    return jnp.where(keep, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
+
+
+class BertEmbeddings(nnx.Module):
+    """Word + absolute position + token type embeddings, then LayerNorm and dropout."""
+
+    def __init__(self, config: BertConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.config = config
+        self.word_embeddings = _embed(config, config.vocab_size, param_dtype, rngs)
+        self.position_embeddings = _embed(config, config.max_position_embeddings, param_dtype, rngs)
+        self.token_type_embeddings = _embed(config, config.type_vocab_size, param_dtype, rngs)
+        self.LayerNorm = _layer_norm(config, dtype, param_dtype, rngs)
+        self.dropout = nnx.Dropout(config.hidden_dropout_prob, rngs=rngs)
+
+    def __call__(self, input_ids: Array, token_type_ids: Array, deterministic: bool | None = None) -> Array:
+        seq = input_ids.shape[-1]
+        if seq > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {seq} exceeds max_position_embeddings {self.config.max_position_embeddings}"
+            )
+        x = self.word_embeddings(input_ids)
+        x = x + self.position_embeddings.embedding[...][:seq]
+        x = x + self.token_type_embeddings(token_type_ids)
+        return self.dropout(self.LayerNorm(x), deterministic=deterministic)
+
+
+class BertSelfAttention(nnx.Module):
+    """Multi-head scaled dot-product attention; logits and softmax in float32 whatever the compute dtype."""
+
+    def __init__(self, config: BertConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        h = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.dtype = dtype
+        self.query = _dense(config, h, h, dtype, param_dtype, rngs)
+        self.key = _dense(config, h, h, dtype, param_dtype, rngs)
+        self.value = _dense(config, h, h, dtype, param_dtype, rngs)
+        self.dropout = nnx.Dropout(config.attention_probs_dropout_prob, rngs=rngs)
+
+    def __call__(self, x: Array, bias: Array | None, deterministic: bool | None = None) -> Array:
+        b, s, _ = x.shape
+        shape = (b, s, self.num_heads, self.head_dim)
+        # Scaling q before the product costs s*d instead of s*s multiplications.
+        q = (self.query(x) * (self.head_dim**-0.5)).reshape(shape)
+        k = self.key(x).reshape(shape)
+        v = self.value(x).reshape(shape)
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        if bias is not None:
+            logits = logits + bias
+        probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+        probs = self.dropout(probs, deterministic=deterministic)
+        ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+        return ctx.reshape(b, s, self.num_heads * self.head_dim)
+
+
+class BertSelfOutput(nnx.Module):
+    """Output projection of attention, dropout, residual and LayerNorm."""
+
+    def __init__(self, config: BertConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.dense = _dense(config, config.hidden_size, config.hidden_size, dtype, param_dtype, rngs)
+        self.LayerNorm = _layer_norm(config, dtype, param_dtype, rngs)
+        self.dropout = nnx.Dropout(config.hidden_dropout_prob, rngs=rngs)
+
+    def __call__(self, x: Array, residual: Array, deterministic: bool | None = None) -> Array:
+        return self.LayerNorm(self.dropout(self.dense(x), deterministic=deterministic) + residual)
+
+
+class BertAttention(nnx.Module):
+    def __init__(self, config: BertConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        # Named `self` to match the HuggingFace tree (attention.self.query ...).
+        self.self = BertSelfAttention(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.output = BertSelfOutput(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x: Array, bias: Array | None, deterministic: bool | None = None) -> Array:
+        return self.output(self.self(x, bias, deterministic), x, deterministic)
+
+
+class BertIntermediate(nnx.Module):
+    def __init__(self, config: BertConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.approximate = config.gelu_approximate
+        self.dense = _dense(config, config.hidden_size, config.intermediate_size, dtype, param_dtype, rngs)
+
+    def __call__(self, x: Array) -> Array:
+        return jax.nn.gelu(self.dense(x), approximate=self.approximate)
+
+
+class BertOutput(nnx.Module):
+    def __init__(self, config: BertConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.dense = _dense(config, config.intermediate_size, config.hidden_size, dtype, param_dtype, rngs)
+        self.LayerNorm = _layer_norm(config, dtype, param_dtype, rngs)
+        self.dropout = nnx.Dropout(config.hidden_dropout_prob, rngs=rngs)
+
+    def __call__(self, x: Array, residual: Array, deterministic: bool | None = None) -> Array:
+        return self.LayerNorm(self.dropout(self.dense(x), deterministic=deterministic) + residual)
+
+
+class BertLayer(nnx.Module):
+    """One post-LayerNorm transformer layer: attention block, then feed-forward block."""
+
+    def __init__(self, config: BertConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.attention = BertAttention(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.intermediate = BertIntermediate(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.output = BertOutput(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x: Array, bias: Array | None, deterministic: bool | None = None) -> Array:
+        h = self.attention(x, bias, deterministic)
+        return self.output(self.intermediate(h), h, deterministic)
+
+
+class BertEncoder(nnx.Module):
+    """The stack of layers; with ``remat`` each layer's activations are recomputed in the backward pass."""
+
+    def __init__(self, config: BertConfig, *, dtype, param_dtype, remat: bool, rngs: nnx.Rngs):
+        self.remat = remat
+        layers = [
+            BertLayer(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for _ in range(config.num_hidden_layers)
+        ]
+        self.layer = nnx.List(layers)
+
+    def __call__(self, x: Array, bias: Array | None, deterministic: bool | None = None) -> Array:
+        def apply(layer: BertLayer, h: Array, b: Array | None) -> Array:
+            return layer(h, b, deterministic)
+
+        if self.remat:
+            apply = nnx.remat(apply)
+        for layer in self.layer:
+            x = apply(layer, x, bias)
+        return x
+
+
+class BertPooler(nnx.Module):
+    def __init__(self, config: BertConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.dense = _dense(config, config.hidden_size, config.hidden_size, dtype, param_dtype, rngs)
+
+    def __call__(self, x: Array) -> Array:
+        return jnp.tanh(self.dense(x[:, 0]))
+
+
+class BertModel(nnx.Module):
+    """The BERT encoder with its pooler.
+
+    Args:
+      config: the hyper-parameters.
+      dtype: compute dtype (e.g. ``jnp.bfloat16``); parameters stay in ``param_dtype``. Attention logits and
+        softmax, LayerNorm statistics and head logits are always float32.
+      param_dtype: dtype of the parameters.
+      remat: recompute each layer's activations in the backward pass (``nnx.remat``) to save memory.
+      add_pooling_layer: build the pooler (HuggingFace's question-answering model has none).
+      rngs: ``params`` (or default) stream for initialisation, ``dropout`` (or default) stream for dropout.
+
+    Call with ``input_ids`` ``[batch, seq]`` int, optional ``attention_mask`` (1 = token, 0 = padding) and
+    ``token_type_ids`` (default all 0); ``deterministic`` overrides the train/eval mode set by ``model.train()`` /
+    ``model.eval()``. Returns a :class:`BertModelOutput`.
+    """
+
+    def __init__(
+        self,
+        config: BertConfig,
+        *,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        remat: bool = False,
+        add_pooling_layer: bool = True,
+        rngs: nnx.Rngs,
+    ):
+        self.config = config
+        self.embeddings = BertEmbeddings(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.encoder = BertEncoder(config, dtype=dtype, param_dtype=param_dtype, remat=remat, rngs=rngs)
+        self.pooler = (
+            BertPooler(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs) if add_pooling_layer else None
+        )
+
+    def __call__(
+        self,
+        input_ids: Array,
+        attention_mask: Array | None = None,
+        token_type_ids: Array | None = None,
+        *,
+        deterministic: bool | None = None,
+    ) -> BertModelOutput:
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
+        if token_type_ids is None:
+            token_type_ids = jnp.zeros_like(input_ids)
+        x = self.embeddings(input_ids, token_type_ids, deterministic)
+        x = self.encoder(x, attention_bias(attention_mask), deterministic)
+        pooled = self.pooler(x) if self.pooler is not None else None
+        return BertModelOutput(last_hidden_state=x, pooler_output=pooled)
+
+
+class BertPredictionHeadTransform(nnx.Module):
+    def __init__(self, config: BertConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.approximate = config.gelu_approximate
+        self.dense = _dense(config, config.hidden_size, config.hidden_size, dtype, param_dtype, rngs)
+        self.LayerNorm = _layer_norm(config, dtype, param_dtype, rngs)
+
+    def __call__(self, x: Array) -> Array:
+        return self.LayerNorm(jax.nn.gelu(self.dense(x), approximate=self.approximate))
+
+
+class BertLMPredictionHead(nnx.Module):
+    """Masked-LM head; the decoder matrix is the (tied) word embedding, only its bias is owned here."""
+
+    def __init__(self, config: BertConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.dtype = dtype
+        self.transform = BertPredictionHeadTransform(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.bias = nnx.Param(jnp.zeros((config.vocab_size,), param_dtype))
+
+    def __call__(self, x: Array, word_embeddings: Array) -> Array:
+        h = self.transform(x)
+        logits = jnp.einsum(
+            "bsh,vh->bsv", h, word_embeddings.astype(self.dtype), preferred_element_type=jnp.float32
+        )
+        return logits + self.bias[...].astype(jnp.float32)
+
+
+class BertPreTrainingHeads(nnx.Module):
+    def __init__(self, config: BertConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.predictions = BertLMPredictionHead(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.seq_relationship = _dense(config, config.hidden_size, 2, dtype, param_dtype, rngs)
+
+
+class BertForPreTraining(nnx.Module):
+    """BERT with the masked-LM and next-sentence heads (``bert.*`` and ``cls.*`` parameters).
+
+    Args: as :class:`BertModel`. Returns a :class:`BertForPreTrainingOutput`.
+    """
+
+    def __init__(
+        self, config: BertConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, remat: bool = False,
+        rngs: nnx.Rngs,
+    ):
+        self.config = config
+        self.bert = BertModel(config, dtype=dtype, param_dtype=param_dtype, remat=remat, rngs=rngs)
+        self.cls = BertPreTrainingHeads(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(
+        self,
+        input_ids: Array,
+        attention_mask: Array | None = None,
+        token_type_ids: Array | None = None,
+        *,
+        deterministic: bool | None = None,
+    ) -> BertForPreTrainingOutput:
+        out = self.bert(input_ids, attention_mask, token_type_ids, deterministic=deterministic)
+        word = self.bert.embeddings.word_embeddings.embedding[...]
+        mlm = self.cls.predictions(out.last_hidden_state, word)
+        nsp = self.cls.seq_relationship(out.pooler_output).astype(jnp.float32)
+        return BertForPreTrainingOutput(
+            prediction_logits=mlm, seq_relationship_logits=nsp, last_hidden_state=out.last_hidden_state
+        )
+
+
+class BertForQuestionAnswering(nnx.Module):
+    """BERT (without pooler, as in HuggingFace) and a span head ``qa_outputs`` giving start and end logits.
+
+    Args: as :class:`BertModel`. Returns a :class:`QuestionAnsweringOutput`.
+    """
+
+    def __init__(
+        self, config: BertConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, remat: bool = False,
+        rngs: nnx.Rngs,
+    ):
+        self.config = config
+        self.bert = BertModel(
+            config, dtype=dtype, param_dtype=param_dtype, remat=remat, add_pooling_layer=False, rngs=rngs
+        )
+        self.qa_outputs = _dense(config, config.hidden_size, 2, dtype, param_dtype, rngs)
+
+    def __call__(
+        self,
+        input_ids: Array,
+        attention_mask: Array | None = None,
+        token_type_ids: Array | None = None,
+        *,
+        deterministic: bool | None = None,
+    ) -> QuestionAnsweringOutput:
+        out = self.bert(input_ids, attention_mask, token_type_ids, deterministic=deterministic)
+        logits = self.qa_outputs(out.last_hidden_state).astype(jnp.float32)
+        return QuestionAnsweringOutput(start_logits=logits[..., 0], end_logits=logits[..., 1])

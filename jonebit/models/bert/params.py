@@ -1,0 +1,262 @@
+"""HuggingFace checkpoints <-> NNX BERT state, and the 1-bit Adam momentum mask of unused positions.
+
+HuggingFace directories hold ``config.json`` and ``model.safetensors`` with PyTorch names and layouts: dense weights
+are ``[out, in]`` (NNX kernels are ``[in, out]``), LayerNorm parameters are ``weight``/``bias`` (older checkpoints:
+``gamma``/``beta``), embeddings are ``weight``. Only ``safetensors.numpy`` is used: no torch at runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jonebit.models.bert.config import BertConfig
+from jonebit.models.bert.modeling import BertForPreTraining, BertForQuestionAnswering, BertModel
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+# Buffers some checkpoints carry that are not parameters.
+_IGNORED_SUFFIXES = ("embeddings.position_ids",)
+# Names of the encoder proper; a checkpoint that lacks any of them cannot be used.
+_ENCODER_PREFIXES = ("embeddings.", "encoder.")
+_BASE_PREFIXES = ("embeddings.", "encoder.", "pooler.")
+_TIED_DECODER = "cls.predictions.decoder.weight"
+_TIED_DECODER_BIAS = "cls.predictions.decoder.bias"
+
+
+def _safetensors_numpy():
+    try:
+        import safetensors.numpy as stnp
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("HuggingFace checkpoints need `safetensors` (pip install jonebit[hf])") from e
+    return stnp
+
+
+def _key_names(keypath: Iterable[Any]) -> tuple:
+    """The module path of a leaf of an ``nnx.State`` (dict keys; the trailing ``.value`` attribute dropped)."""
+    out = []
+    for k in keypath:
+        if isinstance(k, jax.tree_util.DictKey):
+            out.append(k.key)
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            out.append(k.idx)
+    return tuple(out)
+
+
+def hf_name(path: tuple) -> tuple[str, bool]:
+    """PyTorch name of an NNX parameter path and whether its array is transposed between the two layouts.
+
+    ``('bert', 'encoder', 'layer', 0, 'attention', 'self', 'query', 'kernel')`` ->
+    ``('bert.encoder.layer.0.attention.self.query.weight', True)``.
+    """
+    *parents, leaf = (str(p) for p in path)
+    if leaf == "kernel":
+        return ".".join([*parents, "weight"]), True
+    if leaf in ("embedding", "scale"):
+        return ".".join([*parents, "weight"]), False
+    if leaf == "bias":
+        return ".".join([*parents, "bias"]), False
+    raise ValueError(f"no HuggingFace name for parameter {'.'.join(map(str, path))}")
+
+
+def _normalise_name(name: str) -> str:
+    """Map legacy TensorFlow-era LayerNorm names (gamma/beta) to the current ones."""
+    if name.endswith(".gamma"):
+        return name[: -len(".gamma")] + ".weight"
+    if name.endswith(".beta"):
+        return name[: -len(".beta")] + ".bias"
+    return name
+
+
+def _base_prefix(model: nnx.Module) -> str:
+    return "bert." if isinstance(getattr(model, "bert", None), BertModel) else ""
+
+
+def _align_prefix(tensors: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    """Rename checkpoint tensors so that encoder names carry ``prefix`` ('bert.' or '')."""
+    out = {}
+    for name, arr in tensors.items():
+        if prefix == "" and name.startswith("bert."):
+            name = name[len("bert."):]
+        elif prefix == "bert." and name.startswith(_BASE_PREFIXES):
+            name = prefix + name
+        out[name] = arr
+    return out
+
+
+def read_hf_checkpoint(path: str | os.PathLike) -> tuple[BertConfig, dict[str, np.ndarray]]:
+    """Read ``config.json`` and ``model.safetensors`` of a HuggingFace directory.
+
+    Returns:
+      the config and the tensors by (normalised) PyTorch name, buffers such as ``position_ids`` dropped.
+    """
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"HuggingFace checkpoint directory not found: {path}")
+    config_file = os.path.join(path, CONFIG_NAME)
+    weights_file = os.path.join(path, WEIGHTS_NAME)
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"{CONFIG_NAME} not found in checkpoint directory {path}")
+    if not os.path.isfile(weights_file):
+        raise FileNotFoundError(f"{WEIGHTS_NAME} not found in checkpoint directory {path}")
+    config = BertConfig.from_json(config_file)
+    raw = _safetensors_numpy().load_file(weights_file)
+    tensors = {_normalise_name(k): v for k, v in raw.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    return config, tensors
+
+
+def load_hf_checkpoint(
+    path: str | os.PathLike,
+    model_cls: type[nnx.Module] = BertModel,
+    *,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    remat: bool = False,
+    rngs: nnx.Rngs | None = None,
+    strict: bool = False,
+) -> nnx.Module:
+    """Build ``model_cls`` from a HuggingFace BERT directory (``config.json`` + ``model.safetensors``).
+
+    Works with or without the ``bert.`` prefix. Heads (pooler, ``cls.*``, ``qa_outputs``) missing from the
+    checkpoint keep their fresh initialisation (logged); missing embedding or encoder tensors are an error.
+
+    Args:
+      path: the checkpoint directory.
+      model_cls: ``BertModel``, ``BertForPreTraining`` or ``BertForQuestionAnswering``.
+      dtype: compute dtype of the model.
+      param_dtype: dtype the parameters are stored in.
+      remat: rematerialise layers in the backward pass.
+      rngs: initialisation of missing heads and the dropout stream (default ``nnx.Rngs(0)``).
+      strict: raise on checkpoint tensors the model does not use instead of warning.
+
+    Returns:
+      the model, in train mode (call ``model.eval()`` for inference).
+    """
+    config, tensors = read_hf_checkpoint(path)
+    rngs = nnx.Rngs(0) if rngs is None else rngs
+    model = model_cls(config, dtype=dtype, param_dtype=param_dtype, remat=remat, rngs=rngs)
+    tensors = _align_prefix(tensors, _base_prefix(model))
+    if _TIED_DECODER_BIAS in tensors:
+        # HuggingFace ties the decoder bias to cls.predictions.bias; accept either spelling.
+        tensors.setdefault("cls.predictions.bias", tensors[_TIED_DECODER_BIAS])
+        del tensors[_TIED_DECODER_BIAS]
+
+    used: set[str] = set()
+    fresh: list[str] = []
+    missing_encoder: list[str] = []
+
+    def assign(keypath, current):
+        name, transpose = hf_name(_key_names(keypath))
+        if name not in tensors:
+            bare = name[len("bert."):] if name.startswith("bert.") else name
+            (missing_encoder if bare.startswith(_ENCODER_PREFIXES) else fresh).append(name)
+            return current
+        arr = tensors[name]
+        if transpose:
+            arr = arr.T
+        if arr.shape != current.shape:
+            raise ValueError(
+                f"shape mismatch for tensor {name!r}: checkpoint has {tensors[name].shape}, "
+                f"the model expects {current.shape[::-1] if transpose else current.shape} (PyTorch layout)"
+            )
+        used.add(name)
+        return jnp.asarray(arr, dtype=current.dtype)
+
+    state = jax.tree_util.tree_map_with_path(assign, nnx.state(model, nnx.Param))
+    if missing_encoder:
+        raise ValueError(f"checkpoint {os.fspath(path)} lacks encoder tensors: {sorted(missing_encoder)}")
+
+    unexpected = sorted(set(tensors) - used)
+    if _TIED_DECODER in unexpected and "bert.embeddings.word_embeddings.weight" in used:
+        unexpected.remove(_TIED_DECODER)
+        if not np.array_equal(tensors[_TIED_DECODER], tensors["bert.embeddings.word_embeddings.weight"]):
+            logger.warning("%s differs from the word embeddings; the decoder stays tied to them", _TIED_DECODER)
+    if unexpected:
+        msg = f"checkpoint {os.fspath(path)} has tensors {model_cls.__name__} does not use: {unexpected}"
+        if strict:
+            raise ValueError(msg)
+        logger.warning(msg)
+    if fresh:
+        logger.warning(
+            "%s: tensors not in checkpoint %s, freshly initialised: %s", model_cls.__name__, os.fspath(path), fresh
+        )
+    nnx.update(model, state)
+    return model
+
+
+def _architecture(model: nnx.Module) -> str:
+    for cls in (BertForPreTraining, BertForQuestionAnswering, BertModel):
+        if isinstance(model, cls):
+            return cls.__name__
+    raise TypeError(f"not a jonebit BERT model: {type(model).__name__}")
+
+
+def hf_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
+    """The model's parameters as float32 numpy arrays by PyTorch name and layout (tied decoder not repeated)."""
+    out = {}
+    for keypath, value in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
+        name, transpose = hf_name(_key_names(keypath))
+        arr = np.asarray(jax.device_get(value), dtype=np.float32)
+        out[name] = np.ascontiguousarray(arr.T if transpose else arr)
+    return out
+
+
+def save_hf_checkpoint(model: nnx.Module, path: str | os.PathLike) -> None:
+    """Write ``config.json`` and ``model.safetensors`` that ``transformers`` ``from_pretrained`` loads.
+
+    The masked-LM decoder is tied to the word embeddings (``tie_word_embeddings``), so, as HuggingFace itself does,
+    only ``cls.predictions.bias`` is written for it.
+
+    Args:
+      model: a ``BertModel``, ``BertForPreTraining`` or ``BertForQuestionAnswering``.
+      path: output directory (created if needed).
+    """
+    arch = _architecture(model)
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, CONFIG_NAME), "w", encoding="utf-8") as f:
+        json.dump(model.config.to_hf_dict(architectures=[arch]), f, indent=2, sort_keys=True)
+    _safetensors_numpy().save_file(hf_state_dict(model), os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
+
+
+def position_embedding_mask(model_or_state: nnx.Module | nnx.State, seq_len: int) -> nnx.State:
+    """``exp_avg_mask`` for 1-bit Adam: 1 everywhere except position-embedding rows ``>= seq_len``.
+
+    Training at sequence length ``seq_len`` never touches the later rows, so their gradient is 0 and their momentum
+    must not be moved by the compressed (sign) update of the others; the mask keeps it at 0.
+
+    Args:
+      model_or_state: a BERT model, or its ``nnx.state(model, nnx.Param)`` (arrays or ``ShapeDtypeStruct``).
+      seq_len: the training sequence length, ``1 <= seq_len <= max_position_embeddings``.
+
+    Returns:
+      an ``nnx.State`` with the structure of ``nnx.state(model, nnx.Param)`` and float32 0/1 leaves.
+    """
+    state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state, nnx.Param)
+    found = []
+
+    def leaf(keypath, x):
+        names = _key_names(keypath)
+        mask = np.ones(x.shape, np.float32)
+        if names[-3:] == ("embeddings", "position_embeddings", "embedding"):
+            if not 1 <= seq_len <= x.shape[0]:
+                raise ValueError(f"seq_len must be in [1, {x.shape[0]}] (max_position_embeddings), got {seq_len}")
+            mask[seq_len:] = 0.0
+            found.append(names)
+        return jnp.asarray(mask)
+
+    out = jax.tree_util.tree_map_with_path(leaf, state)
+    if len(found) != 1:
+        raise ValueError(f"expected one embeddings.position_embeddings.embedding parameter, found {len(found)}")
+    return out
