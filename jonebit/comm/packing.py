@@ -11,7 +11,8 @@ import numpy as np
 
 # Bit weights of one byte, MSB first.
 _WEIGHTS = np.array([128, 64, 32, 16, 8, 4, 2, 1], dtype=np.uint8)
-_SHIFTS = np.array([7, 6, 5, 4, 3, 2, 1, 0], dtype=np.uint8)
+# Row b holds the signs of byte value b, MSB first: +1.0 for a 1 bit, -1.0 for a 0 bit.
+_SIGN_TABLE = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1).astype(np.float32) * 2.0 - 1.0
 
 
 def sign_bits(x: jnp.ndarray) -> jnp.ndarray:
@@ -57,14 +58,13 @@ def unpack_signs(packed: jnp.ndarray, n: int) -> jnp.ndarray:
         raise ValueError(f"unpack_signs expects a 1-D array, got shape {packed.shape}")
     if not 0 <= n <= 8 * packed.shape[0]:
         raise ValueError(f"cannot unpack {n} signs from {packed.shape[0]} bytes")
-    return signed_unpack(packed, jnp.float32(1.0), jnp.float32(-1.0))[:n]
+    return unpack_rows(packed).reshape(-1)[:n]
 
 
-def signed_unpack(packed: jnp.ndarray, pos, neg) -> jnp.ndarray:
-    """``pos`` where the bit is 1 and ``neg`` where it is 0, for all ``8 * len(packed)`` bits.
+def unpack_rows(packed: jnp.ndarray) -> jnp.ndarray:
+    """``(..., k)`` bytes to ``(..., k, 8)`` float32 signs, by table lookup.
 
-    A select instead of ``bits * 2 - 1`` followed by a multiply: it is exact (``s * (+-1) == +-s``) and
-    vectorises better on CPU.
+    A 256 x 8 table gathered per byte is several times faster on XLA:CPU than shifting and masking each
+    bit (whose byte-to-bit interleave fuses into expensive index arithmetic).
     """
-    bits = ((packed[:, None] >> _SHIFTS) & 1).reshape(-1)
-    return jnp.where(bits == 1, pos, neg)
+    return jnp.take(_SIGN_TABLE, packed.astype(jnp.int32), axis=0)
