@@ -285,11 +285,11 @@ def onebit_adam(
             worker_error = jax.tree.map(lambda e: as_varying(e, backend.axis_name), worker_error)
             server_error = jax.tree.map(lambda e: as_varying(e, backend.axis_name), server_error)
 
-        # Only the communicated vector goes through the cond (the full-precision mean of the gradients, or
-        # the compressed average of the local momenta); the moment updates are selects outside it, which
-        # keeps the conditional's operands small (XLA copies them on CPU).
         def warmup(_):
-            return backend.mean(grads), worker_error, server_error
+            g = backend.mean(grads)
+            mu = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, state.mu, g)
+            nu = jax.tree.map(lambda v, g: b2 * v + (1.0 - b2) * g * g, state.nu, g)
+            return mu, nu, worker_error, server_error
 
         def compression(_):
             mu = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, state.mu, grads)
@@ -300,13 +300,10 @@ def onebit_adam(
                 mu = backend.mean(mu)
             if exp_avg_mask is not None:
                 mu = jax.tree.map(lambda m, k: m * jnp.asarray(k, jnp.float32), mu, exp_avg_mask)
-            return mu, we, se
+            return mu, state.nu, we, se
 
         count = state.count
-        warm = count < freeze_step
-        vec, worker_error, server_error = lax.cond(warm, warmup, compression, None)
-        mu = jax.tree.map(lambda m, x: jnp.where(warm, b1 * m + (1.0 - b1) * x, x), state.mu, vec)
-        nu = jax.tree.map(lambda v, x: jnp.where(warm, b2 * v + (1.0 - b2) * x * x, v), state.nu, vec)
+        mu, nu, worker_error, server_error = lax.cond(count < freeze_step, warmup, compression, None)
 
         step = count + 1
         if bias_correction:
