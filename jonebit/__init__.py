@@ -1,3 +1,11 @@
-"""jonebit: communication-compressed data-parallel training for JAX."""
+"""jonebit: communication-compressed data-parallel training for JAX.
+
+1-bit Adam as an optax transform with an error-compensated 1-bit compressed allreduce
+(``jax.shard_map`` collectives or MPI), ZeRO-style sharding, and a Flax NNX BERT.
+"""
+
+from jonebit.transforms.onebit_adam import OneBitAdamState, onebit_adam, sharded_init, state_specs
 
 __version__ = "0.1.0"
+
+__all__ = ["OneBitAdamState", "onebit_adam", "sharded_init", "state_specs"]

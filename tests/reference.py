@@ -1,0 +1,93 @@
+"""Independent numpy references of the spec (P ranks simulated in one process)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def np_padded(n: int, p: int) -> int:
+    unit = p * (p * 8 // math.gcd(p, 8))
+    return int(math.ceil(n / unit) * unit)
+
+
+def np_sign(x):
+    return np.where(x >= 0, 1.0, -1.0).astype(np.float32)
+
+
+def np_compressed_allreduce(xs, wes, ses):
+    """The spec's compressed allreduce for P ranks. xs: list of (N,), wes: list of (N_pad,), ses: list of (C,)."""
+    p = len(xs)
+    n = xs[0].shape[0]
+    n_pad = np_padded(n, p)
+    c = n_pad // p
+    bufs, scales, new_wes = [], [], []
+    for x, we in zip(xs, wes, strict=True):
+        buf = np.zeros(n_pad, np.float32)
+        buf[:n] = x
+        buf = buf + we
+        s = np.float32(np.sqrt(np.sum(buf.astype(np.float64) ** 2)) / np.sqrt(n_pad))
+        bufs.append(np_sign(buf))
+        scales.append(s)
+        new_wes.append(buf - s * np_sign(buf))
+    out_chunks, new_ses = [], []
+    for r in range(p):
+        z = np.zeros(c, np.float32)
+        for j in range(p):
+            z = z + np.float32(scales[j] / p) * bufs[j][r * c:(r + 1) * c]
+        y = z + ses[r]
+        s = np.float32(np.sqrt(np.sum(y.astype(np.float64) ** 2)) / np.sqrt(c))
+        new_ses.append(y - s * np_sign(y))
+        out_chunks.append(s * np_sign(y))
+    out = np.concatenate(out_chunks)[:n]
+    return out, new_wes, new_ses
+
+
+class NumpyOneBitAdam:
+    """1-bit Adam of the spec for P simulated ranks on a dict of arrays (independent of jonebit)."""
+
+    def __init__(self, params, p, *, freeze_step, lr, b1=0.9, b2=0.999, eps=1e-8, wd=0.0, mask=None, fused=True):
+        self.p, self.freeze, self.lr, self.b1, self.b2, self.eps, self.wd = p, freeze_step, lr, b1, b2, eps, wd
+        self.mask, self.fused = mask, fused
+        self.keys = sorted(params)
+        self.params = {k: np.array(v, np.float32) for k, v in params.items()}
+        self.m = {k: np.zeros_like(v) for k, v in self.params.items()}
+        self.v = {k: np.zeros_like(v) for k, v in self.params.items()}
+        self.count = 0
+        groups = [None] if fused else self.keys
+        size = lambda g: sum(self.params[k].size for k in self.keys) if g is None else self.params[g].size  # noqa: E731
+        self.we = {g: [np.zeros(np_padded(size(g), p), np.float32) for _ in range(p)] for g in groups}
+        self.se = {g: [np.zeros(np_padded(size(g), p) // p, np.float32) for _ in range(p)] for g in groups}
+
+    def step(self, local_grads):
+        """local_grads: list over ranks of dicts. Returns the new params."""
+        b1, b2 = self.b1, self.b2
+        if self.count < self.freeze:
+            g = {k: np.mean([lg[k] for lg in local_grads], axis=0, dtype=np.float32) for k in self.keys}
+            for k in self.keys:
+                self.m[k] = b1 * self.m[k] + (1 - b1) * g[k]
+                self.v[k] = b2 * self.v[k] + (1 - b2) * g[k] * g[k]
+        else:
+            local_m = [{k: b1 * self.m[k] + (1 - b1) * lg[k] for k in self.keys} for lg in local_grads]
+            if self.p > 1:
+                if self.fused:
+                    flat = [np.concatenate([lm[k].ravel() for k in self.keys]) for lm in local_m]
+                    out, self.we[None], self.se[None] = np_compressed_allreduce(flat, self.we[None], self.se[None])
+                    offs = np.cumsum([0] + [self.m[k].size for k in self.keys])
+                    for i, k in enumerate(self.keys):
+                        self.m[k] = out[offs[i]:offs[i + 1]].reshape(self.m[k].shape)
+                else:
+                    for k in self.keys:
+                        out, self.we[k], self.se[k] = np_compressed_allreduce(
+                            [lm[k].ravel() for lm in local_m], self.we[k], self.se[k])
+                        self.m[k] = out.reshape(self.m[k].shape)
+            else:
+                self.m = local_m[0]
+            if self.mask is not None:
+                self.m = {k: self.m[k] * self.mask[k] for k in self.keys}
+        for k in self.keys:
+            u = self.m[k] / (np.sqrt(self.v[k]) + self.eps) + self.wd * self.params[k]
+            self.params[k] = self.params[k] - self.lr * u
+        self.count += 1
+        return self.params

@@ -1,0 +1,214 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import jonebit
+from jonebit import onebit_adam, sharded_init, state_specs
+from tests.reference import NumpyOneBitAdam
+
+
+def mesh_of(p):
+    return jax.make_mesh((p,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:p])
+
+
+def make_params(rng):
+    return {"b": rng.standard_normal(13).astype(np.float32), "w": rng.standard_normal((5, 7)).astype(np.float32)}
+
+
+def stepper(tx, mesh, specs):
+    """Jitted step applying the given per-rank gradients (stacked on a leading rank axis)."""
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs))
+    def step(params, state, grads):
+        grads = jax.tree.map(lambda g: g[0], grads)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    put = lambda t: jax.device_put(t, jax.NamedSharding(mesh, P("data")))  # noqa: E731
+    return step, put
+
+
+def run_both(p, *, steps, freeze_step, fused=True, mask=None, wd=0.0, lr=1e-2, seed=0):
+    rng = np.random.default_rng(seed)
+    params0 = make_params(rng)
+    mesh = mesh_of(p)
+    tx = onebit_adam(lr, freeze_step=freeze_step, weight_decay=wd, exp_avg_mask=mask, fused=fused)
+    state, specs = sharded_init(tx, params0, mesh)
+    step, put = stepper(tx, mesh, specs)
+    params = jax.device_put(params0, jax.NamedSharding(mesh, P()))
+    ref = NumpyOneBitAdam(params0, p, freeze_step=freeze_step, lr=lr, wd=wd, mask=mask, fused=fused)
+    history = []
+    for _ in range(steps):
+        grads = [{k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params0.items()} for _ in range(p)]
+        stacked = {k: np.stack([g[k] for g in grads]) for k in params0}
+        params, state = step(params, state, put(stacked))
+        expect = ref.step(grads)
+        history.append(({k: np.asarray(v) for k, v in params.items()}, {k: v.copy() for k, v in expect.items()},
+                        jax.device_get(state), ref))
+    return history
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_matches_numpy_reference_through_freeze(fused):
+    history = run_both(4, steps=8, freeze_step=3, fused=fused, wd=0.01)
+    for t, (got, expect, _, _) in enumerate(history):
+        for k in expect:
+            np.testing.assert_allclose(got[k], expect[k], rtol=2e-5, atol=2e-6, err_msg=f"step {t} leaf {k}")
+    state, ref = history[-1][2], history[-1][3]
+    assert int(state.count) == 8
+    np.testing.assert_allclose(np.asarray(state.mu["w"]), ref.m["w"], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(state.nu["w"]), ref.v["w"], rtol=1e-5, atol=1e-9)
+    if fused:
+        assert state.worker_error.shape == (4, 64)  # 13 + 35 = 48 elements, padded to a multiple of 4 * 8
+    we = ref.we[None] if fused else ref.we["w"]
+    got_we = state.worker_error if fused else state.worker_error["w"]
+    np.testing.assert_allclose(np.asarray(got_we), np.stack(we), rtol=1e-4, atol=1e-5)
+
+
+def test_warmup_is_plain_adam_on_mean_gradient():
+    """During warmup the params follow optax-free numpy Adam without bias correction on averaged grads."""
+    history = run_both(8, steps=4, freeze_step=10, fused=True)
+    for got, expect, _, _ in history:
+        for k in expect:
+            np.testing.assert_allclose(got[k], expect[k], rtol=1e-6, atol=1e-7)
+    state = history[-1][2]
+    assert not np.any(np.asarray(state.worker_error))  # nothing compressed yet
+
+
+def test_mask_keeps_momentum_exactly_zero():
+    mask = {"b": np.ones(13, np.float32), "w": np.ones((5, 7), np.float32)}
+    mask["w"][3:] = 0.0
+    history = run_both(4, steps=6, freeze_step=2, mask=mask)
+    state = history[-1][2]
+    assert np.all(np.asarray(state.mu["w"])[3:] == 0.0)
+    assert np.any(np.asarray(state.mu["w"])[:3] != 0.0)
+    for got, expect, _, _ in history:
+        for k in expect:
+            np.testing.assert_allclose(got[k], expect[k], rtol=2e-5, atol=2e-6)
+
+
+def test_single_rank_works_and_skips_compression():
+    history = run_both(1, steps=5, freeze_step=2)
+    for got, expect, _, _ in history:
+        for k in expect:
+            np.testing.assert_allclose(got[k], expect[k], rtol=1e-6, atol=1e-7)
+
+
+def test_no_recompilation_across_freeze_step():
+    p = 4
+    mesh = mesh_of(p)
+    params0 = make_params(np.random.default_rng(0))
+    tx = onebit_adam(1e-3, freeze_step=2)
+    state, specs = sharded_init(tx, params0, mesh)
+    step, put = stepper(tx, mesh, specs)
+    params = jax.device_put(params0, jax.NamedSharding(mesh, P()))
+    grads = put({k: np.ones((p,) + v.shape, np.float32) for k, v in params0.items()})
+    for _ in range(2):  # warmup; the 2nd call sees the P() params come back as P(None, ...) once
+        params, state = step(params, state, grads)
+    compiled = step._cache_size()
+    for _ in range(4):  # crosses freeze_step into compression
+        params, state = step(params, state, grads)
+    assert int(state.count) == 6
+    assert step._cache_size() == compiled
+
+
+def test_state_specs_and_sharding():
+    p = 8
+    mesh = mesh_of(p)
+    params0 = make_params(np.random.default_rng(0))
+    tx = optax.chain(optax.clip_by_global_norm(1.0), onebit_adam(1e-3, freeze_step=2, fused=False))
+    state, specs = sharded_init(tx, params0, mesh)
+    inner = state[1]
+    assert isinstance(inner, jonebit.OneBitAdamState)
+    assert specs[1].worker_error["w"] == P("data") and specs[1].mu["w"] == P() and specs[1].count == P()
+    assert inner.worker_error["w"].shape == (p, 64)  # padded_size(35, 8) = 64
+    assert inner.server_error["b"].shape == (p, 8)
+    assert inner.worker_error["w"].sharding.spec[0] == "data"
+    assert state_specs(jax.eval_shape(lambda: state)) == specs
+
+
+def test_chain_with_clipping_runs():
+    p = 4
+    mesh = mesh_of(p)
+    params0 = make_params(np.random.default_rng(0))
+    tx = optax.chain(optax.clip_by_global_norm(0.1), onebit_adam(1e-2, freeze_step=1))
+    state, specs = sharded_init(tx, params0, mesh)
+    step, put = stepper(tx, mesh, specs)
+    params = jax.device_put(params0, jax.NamedSharding(mesh, P()))
+    g = put({k: np.full((p,) + v.shape, 100.0, np.float32) for k, v in params0.items()})
+    for _ in range(3):
+        params, state = step(params, state, g)
+    assert all(np.all(np.isfinite(np.asarray(v))) for v in params.values())
+
+
+def test_learning_rate_schedule_and_bias_correction():
+    p = 2
+    mesh = mesh_of(p)
+    params0 = {"w": np.zeros(16, np.float32)}
+    sched = optax.linear_schedule(1.0, 0.0, 10)
+    tx = onebit_adam(sched, freeze_step=3, bias_correction=True)
+    state, specs = sharded_init(tx, params0, mesh)
+    step, put = stepper(tx, mesh, specs)
+    params = jax.device_put(params0, jax.NamedSharding(mesh, P()))
+    g = np.full((p, 16), 0.5, np.float32)
+    prev = np.zeros(16)
+    for t in range(1, 3):
+        params, state = step(params, state, put({"w": g}))
+        # With bias correction and a constant gradient, m_hat/sqrt(v_hat) = 1 exactly (up to eps).
+        delta = np.asarray(params["w"]) - prev
+        np.testing.assert_allclose(delta, -sched(t - 1) * 0.5 / (0.5 + 1e-8), rtol=1e-4)  # float32 1 - b2**t
+        prev = np.asarray(params["w"])
+
+
+@pytest.mark.parametrize(
+    "kwargs,err,match",
+    [
+        (dict(freeze_step=-1), ValueError, "freeze_step must be >= 0"),
+        (dict(freeze_step=0), ValueError, "freeze_step=0"),
+        (dict(freeze_step=2.5), TypeError, "freeze_step must be an int"),
+        (dict(freeze_step=True), TypeError, "freeze_step must be an int"),
+        (dict(freeze_step=2, amsgrad=True), ValueError, "amsgrad"),
+        (dict(freeze_step=2, b2=1.0), ValueError, "b2"),
+    ],
+)
+def test_bad_hyperparameters(kwargs, err, match):
+    with pytest.raises(err, match=match):
+        onebit_adam(1e-3, **kwargs)
+
+
+def test_bad_trees_and_contexts():
+    mesh = mesh_of(2)
+    params = {"w": jnp.ones((4, 4)), "i": jnp.ones(3, jnp.int32)}
+    with pytest.raises(TypeError, match=r"\['i'\].*int32"):
+        sharded_init(onebit_adam(1e-3, freeze_step=2), params, mesh)
+    params = {"w": jnp.ones((4, 4))}
+    with pytest.raises(ValueError, match="same tree structure"):
+        sharded_init(onebit_adam(1e-3, freeze_step=2, exp_avg_mask={"v": jnp.ones((4, 4))}), params, mesh)
+    with pytest.raises(ValueError, match=r"\['w'\] has shape \(4,\)"):
+        sharded_init(onebit_adam(1e-3, freeze_step=2, exp_avg_mask={"w": jnp.ones(4)}), params, mesh)
+    tx = onebit_adam(1e-3, freeze_step=2)
+    with pytest.raises(ValueError, match="not bound"):
+        tx.init(params)  # outside shard_map
+    with pytest.raises(ValueError, match="'model' is not bound"):
+        sharded_init(onebit_adam(1e-3, freeze_step=2, axis_name="model"), params, mesh)
+
+
+def test_already_reduced_gradients_are_refused():
+    mesh = mesh_of(2)
+    params = {"w": jnp.ones(16)}
+    tx = onebit_adam(1e-3, freeze_step=2)
+    state, specs = sharded_init(tx, params, mesh)
+
+    @jax.shard_map(mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=P())
+    def bad(params, state, x):
+        grads = jax.grad(lambda p: jnp.sum(p["w"] * x))(params)  # replicated params: autodiff psums
+        return tx.update(grads, state, params)[0]
+
+    x = jax.device_put(jnp.ones(32), jax.NamedSharding(mesh, P("data")))
+    with pytest.raises(ValueError, match="already all-reduced"):
+        bad(jax.device_put(params, jax.NamedSharding(mesh, P())), state, x)
