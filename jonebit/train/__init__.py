@@ -1,0 +1,1 @@
+"""Training-step builders and loops."""
