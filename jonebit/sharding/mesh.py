@@ -302,6 +302,12 @@ def _install_fail_fast_hook() -> None:
     atexit.register(leave_now)
 
 
-def data_mesh(axis: str = "data") -> Mesh:
-    """A 1-D mesh over every device of every process, axis ``axis``, explicit sharding."""
-    return jax.make_mesh((jax.device_count(),), (axis,), axis_types=(AxisType.Explicit,))
+def data_mesh(num_devices: int | None = None, axis: str = "data") -> Mesh:
+    """A 1-D mesh, axis ``axis`` with explicit sharding, over every device of every process (or the first
+    ``num_devices`` of ``jax.devices()``, which lists all processes' devices in process order)."""
+    if num_devices is None:
+        return jax.make_mesh((jax.device_count(),), (axis,), axis_types=(AxisType.Explicit,))
+    if not 1 <= num_devices <= jax.device_count():
+        raise ValueError(f"data_mesh: num_devices={num_devices} but there are {jax.device_count()} devices")
+    devices = jax.devices()[:num_devices]
+    return jax.make_mesh((num_devices,), (axis,), axis_types=(AxisType.Explicit,), devices=devices)

@@ -100,6 +100,10 @@ def test_data_mesh_single_process():
     assert mesh.axis_names == ("data",)
     assert mesh.devices.size == jax.device_count() == 8
     assert mesh.axis_types == (AxisType.Explicit,)
+    small = data_mesh(4, axis="dp")
+    assert small.axis_names == ("dp",) and list(small.devices.flat) == jax.devices()[:4]
+    with pytest.raises(ValueError, match="num_devices=9"):
+        data_mesh(9)
 
 
 def _spawn(rank, world, port, mode, timeout_s, devices=2, extra=None):
