@@ -68,6 +68,10 @@ class OneBitAdamState(NamedTuple):
     server_error: Any
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, int | float | np.number)
+
+
 def _check_float_leaves(tree, what: str) -> None:
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         dtype = getattr(leaf, "dtype", None)
@@ -219,11 +223,13 @@ def onebit_adam(
             "onebit_adam: freeze_step=0 would freeze a variance that was never estimated (v = 0, so every update "
             "is m / eps); use at least a few hundred warmup steps (DeepSpeed recommends 15-25% of training)"
         )
+    # Values may be arrays under optax.inject_hyperparams; only plain numbers are checked here.
     for name, value in (("b1", b1), ("b2", b2)):
-        if not 0.0 <= value < 1.0:
+        if _is_number(value) and not 0.0 <= value < 1.0:
             raise ValueError(f"onebit_adam: {name} must be in [0, 1), got {value}")
-    if eps <= 0:
+    if _is_number(eps) and eps <= 0:
         raise ValueError(f"onebit_adam: eps must be > 0, got {eps}")
+    decays = not (_is_number(weight_decay) and weight_decay == 0)
     if mpi_comm is not None:
         axis_name = None
     freeze_step = int(freeze_step)
@@ -267,7 +273,7 @@ def onebit_adam(
         return m, we, se
 
     def update_fn(grads, state, params=None):
-        if weight_decay and params is None:
+        if decays and params is None:
             raise ValueError("onebit_adam: weight_decay needs params; call update(grads, state, params)")
         _check_float_leaves(grads, "gradient")
         backend = get_backend(axis_name, mpi_comm)
@@ -279,11 +285,11 @@ def onebit_adam(
             worker_error = jax.tree.map(lambda e: as_varying(e, backend.axis_name), worker_error)
             server_error = jax.tree.map(lambda e: as_varying(e, backend.axis_name), server_error)
 
+        # Only the communicated vector goes through the cond (the full-precision mean of the gradients, or
+        # the compressed average of the local momenta); the moment updates are selects outside it, which
+        # keeps the conditional's operands small (XLA copies them on CPU).
         def warmup(_):
-            g = backend.mean(grads)
-            mu = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, state.mu, g)
-            nu = jax.tree.map(lambda v, g: b2 * v + (1.0 - b2) * g * g, state.nu, g)
-            return mu, nu, worker_error, server_error
+            return backend.mean(grads), worker_error, server_error
 
         def compression(_):
             mu = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, state.mu, grads)
@@ -294,10 +300,13 @@ def onebit_adam(
                 mu = backend.mean(mu)
             if exp_avg_mask is not None:
                 mu = jax.tree.map(lambda m, k: m * jnp.asarray(k, jnp.float32), mu, exp_avg_mask)
-            return mu, state.nu, we, se
+            return mu, we, se
 
         count = state.count
-        mu, nu, worker_error, server_error = lax.cond(count < freeze_step, warmup, compression, None)
+        warm = count < freeze_step
+        vec, worker_error, server_error = lax.cond(warm, warmup, compression, None)
+        mu = jax.tree.map(lambda m, x: jnp.where(warm, b1 * m + (1.0 - b1) * x, x), state.mu, vec)
+        nu = jax.tree.map(lambda v, x: jnp.where(warm, b2 * v + (1.0 - b2) * x * x, v), state.nu, vec)
 
         step = count + 1
         if bias_correction:
@@ -309,7 +318,7 @@ def onebit_adam(
 
         def direction(m, v, p):
             u = (m / c1) / (jnp.sqrt(v / c2) + eps)
-            if weight_decay:
+            if decays:
                 u = u + weight_decay * p.astype(jnp.float32)
             return u
 

@@ -212,3 +212,25 @@ def test_already_reduced_gradients_are_refused():
     x = jax.device_put(jnp.ones(32), jax.NamedSharding(mesh, P("data")))
     with pytest.raises(ValueError, match="already all-reduced"):
         bad(jax.device_put(params, jax.NamedSharding(mesh, P())), state, x)
+
+
+def test_inject_hyperparams_matches_plain():
+    p = 4
+    mesh = mesh_of(p)
+    params0 = make_params(np.random.default_rng(3))
+    grads = {k: np.random.default_rng(4).standard_normal((p,) + v.shape).astype(np.float32) for k, v in params0.items()}
+    finals = []
+    for tx in (
+        onebit_adam(1e-2, freeze_step=2, weight_decay=0.1),
+        optax.inject_hyperparams(onebit_adam, static_args=("freeze_step",))(
+            learning_rate=1e-2, freeze_step=2, weight_decay=0.1),
+    ):
+        state, specs = sharded_init(tx, params0, mesh)
+        step, put = stepper(tx, mesh, specs)
+        params = jax.device_put(params0, jax.NamedSharding(mesh, P()))
+        for _ in range(4):
+            params, state = step(params, state, put(grads))
+        finals.append(jax.device_get(params))
+    for k in params0:
+        # Injected hyperparameters are float32 arrays (1 - b1 rounds differently than in Python floats).
+        np.testing.assert_allclose(finals[1][k], finals[0][k], rtol=1e-4, atol=1e-5)
