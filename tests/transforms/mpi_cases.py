@@ -1,0 +1,33 @@
+"""Fixed per-rank gradient sequences for the 1-bit Adam MPI-vs-shard_map test."""
+
+from __future__ import annotations
+
+import numpy as np
+
+STEPS = 6
+FREEZE_STEP = 2
+CONFIGS = {  # name -> (fused, mean mode of the MPI backend, weight decay)
+    "fused": (True, "ordered", 0.0),
+    "perleaf": (False, "ordered", 0.01),
+    "fused_allreduce": (True, "allreduce", 0.0),
+}
+
+
+def params0() -> dict:
+    rng = np.random.default_rng(0)
+    return {"w": rng.standard_normal((5, 7)).astype(np.float32), "b": rng.standard_normal(13).astype(np.float32)}
+
+
+def grads(world: int) -> list[list[dict]]:
+    """``grads[t][r]``: rank r's local gradient at step t (different per rank, wide range)."""
+    rng = np.random.default_rng(100 + world)
+    return [
+        [
+            {
+                "w": (rng.standard_normal((5, 7)) * 10.0 ** rng.uniform(-3, 1)).astype(np.float32),
+                "b": (rng.standard_normal(13) * 10.0 ** rng.uniform(-3, 1)).astype(np.float32),
+            }
+            for _ in range(world)
+        ]
+        for _ in range(STEPS)
+    ]
