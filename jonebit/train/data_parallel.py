@@ -18,15 +18,12 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jonebit.sharding.mesh import data_mesh
 from jonebit.transforms.onebit_adam import sharded_init
 
+__all__ = ["data_mesh", "init_optimizer", "make_step", "make_update", "replicate", "shard_batch"]
+
 _REDUCE = (None, "mean", "mean_bf16")
-
-
-def data_mesh(num_devices: int | None = None, axis: str = "data") -> jax.sharding.Mesh:
-    """A 1-D mesh with explicit axis type over the first ``num_devices`` devices (default: all)."""
-    devices = jax.devices() if num_devices is None else jax.devices()[:num_devices]
-    return jax.make_mesh((len(devices),), (axis,), axis_types=(jax.sharding.AxisType.Explicit,), devices=devices)
 
 
 def replicate(tree, mesh: jax.sharding.Mesh):
