@@ -3,8 +3,10 @@
 from jonebit.comm.backends import AxisBackend, Backend, MPIBackend, get_backend
 from jonebit.comm.compressed import (
     compressed_allreduce,
+    compressed_allreduce_rows,
     compressed_allreduce_with,
     compressed_bytes_per_rank,
+    decode_rows,
     padded_size,
 )
 from jonebit.comm.packing import pack_signs, unpack_signs
@@ -14,8 +16,10 @@ __all__ = [
     "Backend",
     "MPIBackend",
     "compressed_allreduce",
+    "compressed_allreduce_rows",
     "compressed_allreduce_with",
     "compressed_bytes_per_rank",
+    "decode_rows",
     "get_backend",
     "pack_signs",
     "padded_size",

@@ -72,9 +72,9 @@ def _with_scale(packed: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def _split_scale(rows: jax.Array):
-    """Inverse of :func:`_with_scale` for a ``(P, k + 4)`` array: ``(P, k)`` bytes and ``(P,)`` scales."""
-    scales = lax.bitcast_convert_type(rows[:, -_SCALE_BYTES:], jnp.float32)
-    return rows[:, :-_SCALE_BYTES], scales
+    """Inverse of :func:`_with_scale` for a ``(..., P, k + 4)`` array: ``(..., P, k)`` bytes and ``(..., P)`` scales."""
+    scales = lax.bitcast_convert_type(rows[..., -_SCALE_BYTES:], jnp.float32)
+    return rows[..., :-_SCALE_BYTES], scales
 
 
 def _sum_rows(row, p: int):
@@ -87,9 +87,7 @@ def _sum_rows(row, p: int):
     return lax.fori_loop(1, p, lambda j, acc: acc + row(j), row(0))
 
 
-def compressed_allreduce_with(backend: Backend, x, worker_error, server_error):
-    """:func:`compressed_allreduce` over an explicit :class:`~jonebit.comm.backends.Backend`."""
-    p = backend.size
+def _check_buffers(x, worker_error, server_error, p: int):
     x = jnp.asarray(x)
     if x.ndim != 1:
         raise ValueError(f"compressed_allreduce expects a 1-D buffer, got shape {x.shape}")
@@ -109,6 +107,19 @@ def compressed_allreduce_with(backend: Backend, x, worker_error, server_error):
             f"server_error must have shape ({chunk},) = padded_size({n}, {p}) // {p}, "
             f"got {tuple(server_error.shape)}"
         )
+    return x, n, n_pad, chunk
+
+
+def compressed_allreduce_rows(backend: Backend, x, worker_error, server_error):
+    """The compressed allreduce up to (and including) its last collective, without decoding the result.
+
+    Returns ``(rows, new_worker_error, new_server_error)``: ``rows`` is the ``(P, C/8 + 4)`` uint8 array every
+    rank receives in phase 2 (row ``j``: rank ``j``'s packed server signs and its float32 scale as 4 raw bytes),
+    identical on all ranks. :func:`decode_rows` turns it into the averaged vector. The synchronised result is
+    exactly these bits and scales, so it can be kept packed (1/32 of its float32 size) and decoded when needed.
+    """
+    p = backend.size
+    x, n, n_pad, chunk = _check_buffers(x, worker_error, server_error, p)
 
     # Worker side.
     buf = jnp.pad(x.astype(jnp.float32), (0, n_pad - n)) + worker_error
@@ -127,9 +138,31 @@ def compressed_allreduce_with(backend: Backend, x, worker_error, server_error):
 
     # Phase 2: everyone gets every server chunk and scale.
     gathered = backend.all_gather(_with_scale(server_packed, s_s))  # (P, C/8 + 4)
-    server_bits, s_s_all = _split_scale(gathered)
-    out = unpack_rows(server_bits) * s_s_all[:, None, None]  # (P, C/8, 8)
-    return out.reshape(-1)[:n].astype(x.dtype), new_worker_error, new_server_error
+    return gathered, new_worker_error, new_server_error
+
+
+def decode_rows(rows: jax.Array, n: int | None = None) -> jax.Array:
+    """Float32 vector encoded by ``(..., C/8 + 4)`` rows of packed signs and a trailing float32 scale.
+
+    Row ``j`` decodes to ``scale_j * unpack(signs_j)`` (``C`` values); the rows are concatenated and the result
+    truncated to ``n`` (default: all ``rows.shape[-2] * C`` values). Also decodes a single row ``(C/8 + 4,)``.
+    """
+    rows = jnp.asarray(rows)
+    if rows.dtype != jnp.uint8:
+        raise TypeError(f"decode_rows expects uint8 rows, got {rows.dtype}")
+    single = rows.ndim == 1
+    if single:
+        rows = rows[None]
+    bits, scales = _split_scale(rows)
+    out = (unpack_rows(bits) * scales[:, None, None]).reshape(-1)
+    return out if n is None else out[:n]
+
+
+def compressed_allreduce_with(backend: Backend, x, worker_error, server_error):
+    """:func:`compressed_allreduce` over an explicit :class:`~jonebit.comm.backends.Backend`."""
+    rows, new_worker_error, new_server_error = compressed_allreduce_rows(backend, x, worker_error, server_error)
+    x = jnp.asarray(x)
+    return decode_rows(rows, x.shape[0]).astype(x.dtype), new_worker_error, new_server_error
 
 
 def compressed_allreduce(x, worker_error, server_error, *, axis_name: str | None = None, mpi_comm=None):

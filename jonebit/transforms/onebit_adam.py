@@ -337,6 +337,11 @@ def _is_state(x) -> bool:
     return isinstance(x, OneBitAdamState)
 
 
+def is_onebit_state(x) -> bool:
+    """Whether ``x`` is the state of a 1-bit optimizer (whose error buffers are per rank)."""
+    return isinstance(x, OneBitAdamState)
+
+
 def state_specs(opt_state, axis_name: str = "data"):
     """``PartitionSpec`` tree that carries an optimizer state in and out of ``shard_map`` as global arrays.
 

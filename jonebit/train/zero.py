@@ -1,0 +1,261 @@
+"""Training steps for ZeRO stages 0-3 (and optimizer-state offload) with any optax optimizer.
+
+The shardings come from :func:`jonebit.sharding.zero_shardings`; this module only applies them. One step:
+
+1. **gradients**, inside ``jax.shard_map`` over the data axis: each device differentiates the loss of its batch
+   shard and the gradients are reduced *explicitly*: an all-reduce mean (stages 0, 1), a reduce-scatter
+   (``lax.psum_scatter``) straight into each leaf's shard (stages 2, 3). At stage 3 the parameters enter as
+   shards and are all-gathered for compute; autodiff turns that all-gather into the reduce-scatter of the
+   gradient, so no device ever holds the full summed gradient. Explicit collectives keep the communication the
+   same on every backend (XLA:CPU turns a sharding constraint into all-reduce + slice, GPUs into
+   reduce-scatter);
+2. **optimizer update**, in the global view under ``jit``: ``tx.update`` on gradients, optimizer state and
+   parameters with their ZeRO shardings, so XLA runs each element's update on the device that owns its state,
+   and the new parameters are resharded to their own layout (an all-gather of the updated shards at stages 1
+   and 2). Optimizers that look at the whole tree (``clip_by_global_norm``) stay correct: XLA inserts the
+   reductions;
+3. **offload**: with ``offload_optimizer`` the state lives in host memory between steps and is moved to the
+   device inside the step and back on the way out.
+
+Mixed precision (``master_dtype``): parameters for compute are kept in their low-precision dtype (bf16), the
+optimizer keeps a float32 master copy in its state (so ZeRO partitions it with the moments, as in the ZeRO
+paper's 2 + 2 + 12 bytes per parameter), and gradients are reduced in the parameters' dtype.
+
+The 1-bit optimizers need each rank's local gradient and their own layouts; :mod:`jonebit.train.onebit_zero`
+provides their step, and :func:`make_zero_step` dispatches to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jonebit.sharding.zero import OFFLOAD_MEMORY_KIND, ZeroShardings, check_stage, to_shardings, zero_specs
+
+P = PartitionSpec
+
+
+class MasterWeightsState(NamedTuple):
+    """Optimizer state with float32 master weights (mixed precision)."""
+
+    master: Any
+    inner: Any
+
+
+def _spec(s) -> PartitionSpec:
+    return s.spec if isinstance(s, NamedSharding) else s
+
+
+def _axis_dim(spec: PartitionSpec, axis: str) -> int | None:
+    for d, entry in enumerate(spec):
+        if entry == axis or (isinstance(entry, tuple) and axis in entry):
+            return d
+    return None
+
+
+def _device_shardings(shardings):
+    return jax.tree.map(lambda s: s.with_memory_kind("device"), shardings)
+
+
+def init_zero(
+    tx: optax.GradientTransformation,
+    params,
+    mesh: jax.sharding.Mesh,
+    *,
+    stage: int,
+    axis: str = "data",
+    offload_optimizer: bool = False,
+    master_dtype=None,
+):
+    """Places ``params`` and creates the optimizer state for ZeRO ``stage``.
+
+    Args:
+      tx: any optax optimizer (element-wise or not).
+      params: pytree of arrays (the model's parameters, in the dtype used for compute).
+      mesh: mesh with the data axis ``axis``.
+      stage: 0-3 (see :func:`jonebit.sharding.zero_shardings`).
+      offload_optimizer: keep the optimizer state in host memory.
+      master_dtype: e.g. ``jnp.float32`` with bf16 ``params``: the optimizer updates a master copy in this dtype
+        (part of the optimizer state, partitioned at stages >= 1) and the params are its cast.
+
+    Returns:
+      ``(params, opt_state, shardings)``: global arrays laid out by ``shardings`` (:class:`ZeroShardings`).
+    """
+    stage = check_stage(stage)
+    init = _master_init(tx, master_dtype)
+    abstract_state = jax.eval_shape(init, params)
+    from jonebit.transforms.onebit_adam import is_onebit_state
+
+    if any(is_onebit_state(n) for n in jax.tree.leaves(abstract_state, is_leaf=is_onebit_state)):
+        raise ValueError(
+            "init_zero: this optimizer contains a 1-bit transform, which needs the per-device view; use "
+            "jonebit.train.onebit_zero.init_onebit_zero (or make the transform with onebit_adam(..., zero_stage=...))"
+        )
+    from jonebit.sharding.zero import zero_shardings
+
+    sh = zero_shardings(mesh, params, abstract_state, stage=stage, axis=axis, offload_optimizer=offload_optimizer)
+    params = place_copy(params, sh.params)
+    opt_state = jax.jit(init, out_shardings=sh.opt_state)(params)
+    return params, opt_state, sh
+
+
+def place_copy(tree, shardings):
+    """``tree`` laid out by ``shardings``, always in new buffers.
+
+    The steps donate their inputs; ``jax.device_put`` from one device to a replicated sharding reuses the source
+    buffer on that device (even with ``may_alias=False`` on jax 0.10), so donating the result would delete the
+    caller's array.
+    """
+    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(tree)
+
+
+def _master_init(tx, master_dtype):
+    if master_dtype is None:
+        return tx.init
+
+    def init(params):
+        master = jax.tree.map(lambda p: p.astype(master_dtype), params)
+        return MasterWeightsState(master=master, inner=tx.init(master))
+
+    return init
+
+
+def _reduce_grads(grads, grad_specs, param_specs, axis: str, size: int):
+    """Local gradients -> mean over ranks, laid out by ``grad_specs`` (reduce-scatter where sharded)."""
+
+    def one(g, gspec, pspec):
+        if _axis_dim(pspec, axis) is not None:  # stage 3: autodiff of the all-gather already reduce-scattered
+            return g / size
+        d = _axis_dim(gspec, axis)
+        if d is None:
+            return lax.pmean(g, axis)
+        return lax.psum_scatter(g, axis, scatter_dimension=d, tiled=True) / size
+
+    return jax.tree.map(one, grads, grad_specs, param_specs)
+
+
+def _gather_params(params, param_specs, axis: str):
+    def one(p, spec):
+        d = _axis_dim(spec, axis)
+        return p if d is None else lax.all_gather(p, axis, axis=d, tiled=True)
+
+    return jax.tree.map(one, params, param_specs)
+
+
+def make_zero_grads(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    mesh: jax.sharding.Mesh,
+    shardings: ZeroShardings,
+    *,
+    batch_spec: PartitionSpec | None = None,
+    reduce_dtype=None,
+):
+    """``grads(params, batch) -> (grads, loss)`` with the gradients reduced into ``shardings.grads``.
+
+    ``loss_fn(params, local_batch)`` is the mean loss of one device's batch shard. ``reduce_dtype`` (e.g.
+    ``jnp.bfloat16``) casts the local gradients before the reduction to halve the traffic.
+    """
+    axis = shardings.axis
+    size = mesh.shape[axis]
+    param_specs = jax.tree.map(_spec, shardings.params)
+    grad_specs = jax.tree.map(_spec, shardings.grads)
+    batch_spec = P(axis) if batch_spec is None else batch_spec
+
+    def body(params, batch):
+        # Replicated leaves become "varying" outside the differentiated function, so autodiff does not insert
+        # a full-precision psum; sharded leaves (stage 3) are gathered inside it, so their gradient comes back
+        # reduce-scattered.
+        local = jax.tree.map(lambda p, s: p if _axis_dim(s, axis) is not None else lax.pcast(p, axis, to="varying"),
+                             params, param_specs)
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(_gather_params(p, param_specs, axis), batch))(local)
+        if reduce_dtype is not None:
+            grads = jax.tree.map(lambda g: g.astype(reduce_dtype), grads)
+        grads = _reduce_grads(grads, grad_specs, param_specs, axis, size)
+        return grads, lax.pmean(loss, axis)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, batch_spec), out_specs=(grad_specs, P()))
+
+
+def make_zero_step(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    tx: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh,
+    shardings: ZeroShardings,
+    *,
+    batch_spec: PartitionSpec | None = None,
+    reduce_dtype=None,
+    donate: bool = True,
+):
+    """Builds ``step(params, opt_state, batch) -> (params, opt_state, loss)`` for ``shardings``' ZeRO stage.
+
+    Args:
+      loss_fn: ``loss_fn(params, local_batch) -> scalar``, the mean loss of one device's batch shard.
+      tx: the optax optimizer whose state was created by :func:`init_zero` (with or without ``master_dtype``).
+      mesh: the mesh of ``shardings``.
+      shardings: from :func:`init_zero` / :func:`jonebit.sharding.zero_shardings`.
+      batch_spec: spec of the batch (default: leading dimension over the data axis).
+      reduce_dtype: dtype for the gradient reduction (default: the gradients' own).
+      donate: donate params and optimizer state.
+
+    The step is one ``jax.jit``; the loss returned is the mean over all devices.
+    """
+    grads_fn = make_zero_grads(loss_fn, mesh, shardings, batch_spec=batch_spec, reduce_dtype=reduce_dtype)
+    state_dev = _device_shardings(shardings.opt_state) if shardings.offload_optimizer else shardings.opt_state
+
+    batch_sharding = NamedSharding(mesh, P(shardings.axis) if batch_spec is None else batch_spec)
+
+    def step(params, opt_state, batch):
+        batch = jax.tree.map(lambda b: jax.sharding.reshard(b, batch_sharding), batch)
+        grads, loss = grads_fn(params, batch)
+        if shardings.offload_optimizer:
+            opt_state = jax.device_put(opt_state, state_dev)
+        if isinstance(opt_state, MasterWeightsState):
+            master = opt_state.master
+            grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)
+            updates, inner = tx.update(grads, opt_state.inner, master)
+            master = optax.apply_updates(master, updates)
+            new_params = jax.tree.map(lambda m, p: m.astype(p.dtype), master, params)
+            opt_state = MasterWeightsState(master=master, inner=inner)
+        else:
+            updates, opt_state = tx.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+        new_params = jax.tree.map(jax.sharding.reshard, new_params, shardings.params)
+        opt_state = jax.tree.map(jax.sharding.reshard, opt_state, state_dev)
+        return new_params, opt_state, loss
+
+    return jax.jit(
+        step,
+        in_shardings=(shardings.params, shardings.opt_state, batch_sharding),
+        out_shardings=(shardings.params, shardings.opt_state, NamedSharding(mesh, P())),
+        donate_argnums=(0, 1) if donate else (),
+    )
+
+
+def abstract_zero(tx, params, mesh, *, stage: int, axis: str = "data", offload_optimizer: bool = False,
+                  master_dtype=None):
+    """``(params, opt_state, shardings)`` as ``jax.ShapeDtypeStruct`` trees: plan memory without allocating."""
+    from jonebit.sharding.zero import zero_shardings
+
+    init = _master_init(tx, master_dtype)
+    abstract_state = jax.eval_shape(init, params)
+    sh = zero_shardings(mesh, params, abstract_state, stage=stage, axis=axis, offload_optimizer=offload_optimizer)
+    put = lambda t, s: jax.tree.map(lambda x, y: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=y), t, s)  # noqa: E731
+    return put(params, sh.params), put(abstract_state, sh.opt_state), sh
+
+
+__all__ = [
+    "MasterWeightsState",
+    "OFFLOAD_MEMORY_KIND",
+    "abstract_zero",
+    "init_zero",
+    "make_zero_grads",
+    "make_zero_step",
+    "to_shardings",
+    "zero_specs",
+]
