@@ -43,6 +43,16 @@ from jax.sharding import PartitionSpec as P
 
 from jonebit.comm.backends import AxisBackend, Backend, as_varying, get_backend, varying_axes
 from jonebit.comm.compressed import compressed_allreduce_with, padded_size
+from jonebit.transforms.onebit_zero import (
+    ZERO_STAGES,
+    FlatLayout,
+    OneBitAdamZeroState,
+    check_flat_dtypes,
+    flat_mask,
+    init_zero_state,
+    zero_state_specs,
+    zero_update,
+)
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +172,7 @@ def onebit_adam(
     mpi_comm: Any = None,
     error_feedback: bool = True,
     amsgrad: bool = False,
+    zero_stage: int = 0,
 ) -> optax.GradientTransformation:
     r"""1-bit Adam (Tang et al., 2021) with DeepSpeed's semantics.
 
@@ -196,6 +207,11 @@ def onebit_adam(
       mpi_comm: an mpi4py communicator; when given, the collectives go through MPI (mpi4jax) instead.
       error_feedback: keep the error buffers (the algorithm). ``False`` is for studying their effect only.
       amsgrad: not supported by 1-bit Adam; ``True`` raises.
+      zero_stage: ZeRO partitioning of the optimizer (0-3, shard_map only). ``1``/``2``: momentum and variance
+        partitioned during warmup, the synchronised momentum kept as packed signs, the frozen variance whole;
+        ``3``: also the parameters, as the server chunks of the flattened tree (``update`` then takes and returns
+        this rank's chunks). See :mod:`jonebit.transforms.onebit_zero`; build the step with
+        :func:`jonebit.train.zero.make_zero_step`.
 
     Returns:
       An ``optax.GradientTransformation`` whose ``update(local_grads, state, params)`` expects this rank's
@@ -233,6 +249,40 @@ def onebit_adam(
     if mpi_comm is not None:
         axis_name = None
     freeze_step = int(freeze_step)
+    if isinstance(zero_stage, bool) or zero_stage not in (0, *ZERO_STAGES):
+        raise ValueError(f"onebit_adam: zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    if zero_stage and mpi_comm is not None:
+        raise ValueError("onebit_adam: zero_stage >= 1 runs over a shard_map axis; it is not available with mpi_comm")
+
+    def zero_backend():
+        backend = get_backend(axis_name, mpi_comm)
+        if backend.size < 2:
+            raise ValueError(
+                f"onebit_adam: zero_stage={zero_stage} partitions over the ranks of axis {axis_name!r}, which has "
+                f"{backend.size}; use zero_stage=0 on a single device"
+            )
+        return backend
+
+    def zero_init(params):
+        backend = zero_backend()
+        layout = FlatLayout.of(params, backend.size, fused)
+        if zero_stage == 3:
+            check_flat_dtypes(layout)
+        return init_zero_state(layout, zero_stage)
+
+    def zero_update_fn(grads, state, params):
+        if params is None:
+            raise ValueError(f"onebit_adam(zero_stage={zero_stage}) needs params: call update(grads, state, params)")
+        _check_float_leaves(grads, "gradient")
+        backend = zero_backend()
+        _check_local_grads(grads, backend)
+        layout = FlatLayout.of(grads if zero_stage == 3 else params, backend.size, fused)
+        return zero_update(
+            backend=backend, layout=layout, stage=zero_stage, freeze_step=freeze_step, b1=b1, b2=b2, eps=eps,
+            weight_decay=weight_decay, decays=decays, mask_bufs=flat_mask(exp_avg_mask, layout),
+            bias_correction=bias_correction, learning_rate=learning_rate, error_feedback=error_feedback,
+            grads=grads, state=state, params=params,
+        )
 
     def init_fn(params):
         _check_float_leaves(params, "param")
@@ -330,16 +380,24 @@ def onebit_adam(
         )
         return updates, new_state
 
+    if zero_stage:
+        def checked_zero_init(params):
+            _check_float_leaves(params, "param")
+            if exp_avg_mask is not None:
+                _check_mask(exp_avg_mask, params)
+            return zero_init(params)
+
+        return optax.GradientTransformation(checked_zero_init, zero_update_fn)
     return optax.GradientTransformation(init_fn, update_fn)
 
 
 def _is_state(x) -> bool:
-    return isinstance(x, OneBitAdamState)
+    return isinstance(x, OneBitAdamState | OneBitAdamZeroState)
 
 
 def is_onebit_state(x) -> bool:
     """Whether ``x`` is the state of a 1-bit optimizer (whose error buffers are per rank)."""
-    return isinstance(x, OneBitAdamState)
+    return isinstance(x, OneBitAdamState | OneBitAdamZeroState)
 
 
 def state_specs(opt_state, axis_name: str = "data"):
@@ -351,6 +409,8 @@ def state_specs(opt_state, axis_name: str = "data"):
     """
 
     def spec(node):
+        if isinstance(node, OneBitAdamZeroState):
+            return zero_state_specs(node, axis_name)
         if _is_state(node):
             rows = lambda t: jax.tree.map(lambda _: P(axis_name), t)  # noqa: E731
             rep = lambda t: jax.tree.map(lambda _: P(), t)  # noqa: E731
@@ -360,7 +420,7 @@ def state_specs(opt_state, axis_name: str = "data"):
             )
         return P()
 
-    return jax.tree.map(spec, opt_state, is_leaf=_is_state)
+    return jax.tree.map(spec, opt_state, is_leaf=is_onebit_state)
 
 
 def sharded_init(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh, axis_name: str = "data"):

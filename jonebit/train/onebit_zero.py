@@ -1,0 +1,164 @@
+"""Training steps for the 1-bit optimizers under ZeRO stages 1-3 (see :mod:`jonebit.transforms.onebit_zero`).
+
+The 1-bit optimizers own their communication and need each rank's local gradient, so the whole step runs in the
+per-device view inside ``jax.shard_map``: forward and backward on the local batch shard, then ``tx.update`` on the
+local gradients. At stage 3 the parameters live as :class:`FlatParams`, the server chunks of the flattened tree
+(rank ``r`` holds chunk ``r`` of every buffer), and are all-gathered for the forward pass.
+
+Normally reached through :func:`jonebit.train.zero.init_zero` and :func:`jonebit.train.zero.make_zero_step`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jonebit.sharding.zero import OFFLOAD_MEMORY_KIND, ZeroShardings, _check_offload, to_shardings
+from jonebit.transforms.onebit_adam import OneBitAdamState, is_onebit_state, state_specs
+from jonebit.transforms.onebit_zero import FlatLayout, OneBitAdamZeroState
+
+P = PartitionSpec
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FlatParams:
+    """Parameters partitioned as the server chunks of a :class:`FlatLayout` (ZeRO stage 3 with 1-bit Adam).
+
+    ``chunks[g]`` is a ``(P, C_g)`` global array sharded over the data axis. :meth:`tree` gives the ordinary
+    parameter tree (all-gathered), e.g. for evaluation or export.
+    """
+
+    chunks: tuple
+    layout: FlatLayout = dataclasses.field(metadata=dict(static=True))
+
+    def tree(self):
+        def whole(c):
+            s = getattr(c, "sharding", None)
+            return jax.sharding.reshard(c, NamedSharding(s.mesh, P())) if isinstance(s, NamedSharding) else c
+
+        return self.layout.from_chunks(tuple(whole(c) for c in self.chunks))
+
+
+def find_onebit_state(local_state):
+    """The single 1-bit state in an (abstract) optimizer state tree, or None."""
+    found = [n for n in jax.tree.leaves(local_state, is_leaf=is_onebit_state) if is_onebit_state(n)]
+    if len(found) > 1:
+        raise ValueError("the optimizer contains more than one 1-bit transform; use one per optimizer")
+    return found[0] if found else None
+
+
+def local_abstract_state(tx, params, mesh):
+    """``tx.init`` traced in the per-device view (shapes only)."""
+    init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    return jax.eval_shape(init, params)
+
+
+def onebit_stage(state) -> int:
+    if isinstance(state, OneBitAdamZeroState):
+        return state.stage
+    if isinstance(state, OneBitAdamState):
+        return 0
+    raise TypeError(f"not a 1-bit optimizer state: {type(state).__name__}")
+
+
+def init_onebit_zero(tx, params, mesh, *, stage: int, axis: str = "data", offload_optimizer: bool = False):
+    """``(params, opt_state, shardings)`` for a 1-bit optimizer made with ``zero_stage=stage``.
+
+    ``params`` come back replicated (stages 1, 2) or as :class:`FlatParams` (stage 3).
+    """
+    from jonebit.train.zero import place_copy
+
+    size = mesh.shape[axis]
+    local = local_abstract_state(tx, params, mesh)
+    state = find_onebit_state(local)
+    tx_stage = onebit_stage(state)
+    if tx_stage != stage:
+        raise ValueError(
+            f"ZeRO stage {stage} was requested but the 1-bit optimizer was built for stage {tx_stage}: make it "
+            f"with jonebit.onebit_adam(..., zero_stage={stage}) (its state layout depends on the stage)"
+        )
+    if offload_optimizer:
+        _check_offload(mesh)
+    specs = state_specs(local, axis)
+    replicated = NamedSharding(mesh, P())
+    params = place_copy(params, jax.tree.map(lambda _: replicated, params))
+    # Local gradients are whole on every rank (each compresses its full momentum): nothing to partition.
+    grads_sh = jax.tree.map(lambda _: replicated, params)
+    opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+    state_sh = to_shardings(specs, mesh, OFFLOAD_MEMORY_KIND if offload_optimizer else None)
+    if offload_optimizer:
+        opt_state = jax.device_put(opt_state, state_sh)
+    if stage == 3:
+        layout = FlatLayout.of(params, size, fused=len(state.mu) == 1 and len(jax.tree.leaves(params)) > 1)
+        chunk_sh = tuple(NamedSharding(mesh, P(axis)) for _ in layout.groups)
+        chunks = jax.jit(layout.to_chunks, out_shardings=chunk_sh)(params)
+        params = FlatParams(chunks=chunks, layout=layout)
+        param_sh = FlatParams(chunks=chunk_sh, layout=layout)
+    else:
+        param_sh = jax.tree.map(lambda _: replicated, params)
+    sh = ZeroShardings(params=param_sh, grads=grads_sh, opt_state=state_sh, stage=stage, axis=axis,
+                       offload_optimizer=bool(offload_optimizer))
+    return params, opt_state, sh
+
+
+def make_onebit_zero_step(
+    loss_fn: Callable[[Any, Any], Any],
+    tx: optax.GradientTransformation,
+    mesh,
+    shardings: ZeroShardings,
+    *,
+    batch_spec: PartitionSpec | None = None,
+    donate: bool = True,
+):
+    """``step(params, opt_state, batch) -> (params, opt_state, loss)`` for a 1-bit optimizer under ZeRO.
+
+    ``loss_fn(params, local_batch)`` gets the ordinary parameter tree (gathered at stage 3) and one device's batch
+    shard; its gradient goes to ``tx`` without any reduction (the optimizer communicates).
+    """
+    axis = shardings.axis
+    spec_of = lambda s: s.spec  # noqa: E731
+    param_specs = jax.tree.map(spec_of, shardings.params)
+    state_specs_ = jax.tree.map(spec_of, shardings.opt_state)
+    batch_spec = P(axis) if batch_spec is None else batch_spec
+    stage3 = isinstance(shardings.params, FlatParams)
+
+    def body(params, opt_state, batch):
+        if stage3:
+            layout = params.layout
+            gathered = tuple(lax.all_gather(c, axis, tiled=True) for c in params.chunks)
+            local = layout.from_chunks(gathered)
+            tx_params = params.chunks
+        else:
+            local = lax.pcast(params, axis, to="varying")
+            tx_params = params
+        loss, grads = jax.value_and_grad(loss_fn)(local, batch)
+        updates, opt_state = tx.update(grads, opt_state, tx_params)
+        new = optax.apply_updates(tx_params, updates)
+        if stage3:
+            new = FlatParams(chunks=tuple(new), layout=params.layout)
+        return new, opt_state, lax.pmean(loss, axis)
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, state_specs_, batch_spec),
+                           out_specs=(param_specs, state_specs_, P()))
+    state_dev = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings.opt_state)
+    batch_sharding = NamedSharding(mesh, batch_spec)
+
+    def step(params, opt_state, batch):
+        batch = jax.tree.map(lambda b: jax.sharding.reshard(b, batch_sharding), batch)
+        if shardings.offload_optimizer:
+            opt_state = jax.device_put(opt_state, state_dev)
+        return mapped(params, opt_state, batch)
+
+    return jax.jit(
+        step,
+        in_shardings=(shardings.params, shardings.opt_state, batch_sharding),
+        out_shardings=(shardings.params, shardings.opt_state, NamedSharding(mesh, P())),
+        donate_argnums=(0, 1) if donate else (),
+    )

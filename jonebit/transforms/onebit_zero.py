@@ -1,0 +1,317 @@
+"""1-bit Adam under ZeRO: which of its buffers can be partitioned without adding full-precision traffic.
+
+1-bit Adam's compression stage needs, on every rank, the *full local* momentum ``b1 m + (1 - b1) g_local`` (each
+rank compresses its whole vector), so neither the local gradient nor the worker error can be partitioned. What
+can be, and how (``C = N_pad / P`` is the server chunk of the compressed allreduce; rank ``r`` owns chunk ``r``):
+
+* **server error**: already one chunk per rank, at every stage;
+* **momentum**: after each compressed allreduce the synchronised momentum *is* the phase-2 result, ``P`` rows of
+  packed signs and one float32 scale each. It is stored packed (``m_rows``, ``N_pad / 8 + 4 P`` bytes, replicated:
+  1/32 of float32) and decoded when the next step needs it. Its float32 form is kept only as this rank's chunk
+  (``mu``, for the warmup stage, where the momentum is still full precision);
+* **variance**: frozen after warmup. Rank ``r`` needs ``v`` wherever it updates parameters. With replicated
+  parameters (stages 1 and 2) every rank updates every parameter, so the frozen variance is needed whole
+  (``nu_full``, all-gathered once at the end of warmup); when the parameters are partitioned (stage 3) they
+  follow the server chunks, rank ``r`` updates chunk ``r`` only and keeps only that chunk of ``v``;
+* **parameters** (stage 3): stored as the server chunks of the flattened, padded tree (like PyTorch FSDP's flat
+  parameters), all-gathered for the forward pass. The update of chunk ``r`` uses exactly the values rank ``r``
+  computed as the server of chunk ``r``, so no parameter traffic is added besides ZeRO-3's own gather.
+
+Warmup at stages >= 1 is ZeRO's own: the mean gradient is reduce-scattered into chunks (stage 1: all-reduced and
+sliced), Adam updates chunk ``r`` of ``m``, ``v`` and the parameters, and (stages 1, 2) the updated chunks are
+all-gathered: the same bytes as stage 0's allreduce. At the first compression step the float32 momentum chunks are
+all-gathered once (and, at stages 1 and 2, the variance), a one-off cost of a third ``lax.switch`` branch.
+
+Per-device bytes (Ψ parameters, fp32, ``N`` ranks, local gradient counted once):
+
+=====  ======  ======  ==================  ===============  ======  =========
+stage  params  grads   momentum            variance         worker  server
+=====  ======  ======  ==================  ===============  ======  =========
+0      4Ψ      4Ψ      4Ψ                  4Ψ               4Ψ      4Ψ/N
+1, 2   4Ψ      4Ψ      4Ψ/N + Ψ/8          4Ψ + 4Ψ/N        4Ψ      4Ψ/N
+3      4Ψ/N    4Ψ      4Ψ/N + Ψ/8          4Ψ/N             4Ψ      4Ψ/N
+=====  ======  ======  ==================  ===============  ======  =========
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jonebit.comm.backends import as_varying
+from jonebit.comm.compressed import _SCALE_BYTES, compressed_allreduce_rows, decode_rows, padded_size
+
+ZERO_STAGES = (1, 2, 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatLayout:
+    """How a param tree maps to flat, padded buffers: one per leaf (``fused=False``) or one in all (``fused=True``).
+
+    Buffer ``i`` holds ``sizes[i]`` values (the leaves of ``groups[i]`` raveled and concatenated), zero-padded to
+    ``padded_size(sizes[i], world_size)``; its server chunk ``r`` is ``[r C_i, (r + 1) C_i)``.
+    """
+
+    treedef: Any
+    shapes: tuple
+    dtypes: tuple
+    groups: tuple  # tuple of tuples of leaf indices
+    world_size: int
+
+    @classmethod
+    def of(cls, tree, world_size: int, fused: bool) -> FlatLayout:
+        leaves, treedef = jax.tree.flatten(tree)
+        groups = (tuple(range(len(leaves))),) if fused else tuple((i,) for i in range(len(leaves)))
+        return cls(treedef=treedef, shapes=tuple(tuple(x.shape) for x in leaves),
+                   dtypes=tuple(jnp.dtype(x.dtype) for x in leaves), groups=groups, world_size=int(world_size))
+
+    def size(self, g: int) -> int:
+        return sum(max(math.prod(self.shapes[i]), 0) for i in self.groups[g])
+
+    def padded(self, g: int) -> int:
+        return padded_size(max(self.size(g), 1), self.world_size)
+
+    def chunk(self, g: int) -> int:
+        return self.padded(g) // self.world_size
+
+    def flatten(self, tree, dtype=jnp.float32, pad: bool = True) -> tuple:
+        """Tuple of flat buffers (padded to ``padded(g)`` unless ``pad=False``)."""
+        leaves = jax.tree.leaves(tree)
+        out = []
+        for g, idx in enumerate(self.groups):
+            parts = [jnp.ravel(leaves[i]).astype(dtype) for i in idx]
+            flat = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+            if pad:
+                flat = jnp.pad(flat, (0, self.padded(g) - flat.shape[0]))
+            out.append(flat)
+        return tuple(out)
+
+    def unflatten(self, bufs, cast: bool = True):
+        """Tree from flat buffers (padded or not); leaves cast back to their dtypes when ``cast``."""
+        leaves = [None] * len(self.shapes)
+        for g, idx in enumerate(self.groups):
+            offset = 0
+            for i in idx:
+                n = math.prod(self.shapes[i])
+                x = bufs[g][offset:offset + n].reshape(self.shapes[i])
+                leaves[i] = x.astype(self.dtypes[i]) if cast else x
+                offset += n
+        return self.treedef.unflatten(leaves)
+
+    def to_chunks(self, tree) -> tuple:
+        """Global view: ``(P, C_g)`` arrays, row ``r`` = server chunk ``r`` (shard them with ``P(axis)``)."""
+        return tuple(b.reshape(self.world_size, -1) for b in self.flatten(tree, dtype=self._common_dtype()))
+
+    def from_chunks(self, chunks):
+        """Inverse of :meth:`to_chunks` (global view, or the all-gathered rows inside shard_map)."""
+        return self.unflatten(tuple(c.reshape(-1) for c in chunks))
+
+    def _common_dtype(self):
+        return jnp.result_type(*self.dtypes) if self.dtypes else jnp.float32
+
+
+def check_flat_dtypes(layout: FlatLayout) -> None:
+    groups_dtypes = {jnp.dtype(layout.dtypes[i]) for idx in layout.groups for i in idx}
+    if len(groups_dtypes) > 1 and any(len(idx) > 1 for idx in layout.groups):
+        raise TypeError(
+            f"onebit_adam(zero_stage=3, fused=True) stores the params as one flat buffer and needs one dtype for "
+            f"all of them, got {sorted(str(d) for d in groups_dtypes)}; use fused=False"
+        )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class OneBitAdamZeroState:
+    """State of :func:`~jonebit.onebit_adam` with ``zero_stage >= 1`` (per-device view).
+
+    Per buffer ``g`` of the :class:`FlatLayout` (chunk ``C_g``, padded length ``N_g``):
+
+    Attributes:
+      count: updates applied so far.
+      mu: ``(1, C_g)`` float32, this rank's chunk of the momentum (global: ``(P, C_g)`` over the data axis).
+      nu: ``(1, C_g)`` float32, this rank's chunk of the variance.
+      nu_full: stages 1, 2: ``(N_g,)`` float32, the whole frozen variance (zeros during warmup); stage 3: ``()``.
+      m_rows: ``(P, C_g / 8 + 4)`` uint8, the synchronised momentum as packed signs and per-chunk scales
+        (replicated; valid from the first compression step on).
+      worker_error: ``(1, N_g)`` float32, this rank's worker error.
+      server_error: ``(1, C_g)`` float32, this rank's server error.
+      stage: the ZeRO stage (static).
+    """
+
+    count: jax.Array
+    mu: tuple
+    nu: tuple
+    nu_full: tuple
+    m_rows: tuple
+    worker_error: tuple
+    server_error: tuple
+    stage: int = dataclasses.field(default=1, metadata=dict(static=True))
+
+
+def zero_state_specs(state: OneBitAdamZeroState, axis_name: str) -> OneBitAdamZeroState:
+    rows = lambda t: tuple(P(axis_name) for _ in t)  # noqa: E731
+    rep = lambda t: tuple(P() for _ in t)  # noqa: E731
+    return OneBitAdamZeroState(
+        count=P(), mu=rows(state.mu), nu=rows(state.nu), nu_full=rep(state.nu_full), m_rows=rep(state.m_rows),
+        worker_error=rows(state.worker_error), server_error=rows(state.server_error), stage=state.stage,
+    )
+
+
+def init_zero_state(layout: FlatLayout, stage: int) -> OneBitAdamZeroState:
+    p = layout.world_size
+    n = len(layout.groups)
+    z = lambda *shape: jnp.zeros(shape, jnp.float32)  # noqa: E731
+    return OneBitAdamZeroState(
+        count=jnp.zeros([], jnp.int32),
+        mu=tuple(z(1, layout.chunk(g)) for g in range(n)),
+        nu=tuple(z(1, layout.chunk(g)) for g in range(n)),
+        nu_full=tuple(z(layout.padded(g)) for g in range(n)) if stage in (1, 2) else (),
+        m_rows=tuple(jnp.zeros((p, layout.chunk(g) // 8 + _SCALE_BYTES), jnp.uint8) for g in range(n)),
+        worker_error=tuple(z(1, layout.padded(g)) for g in range(n)),
+        server_error=tuple(z(1, layout.chunk(g)) for g in range(n)),
+        stage=stage,
+    )
+
+
+def zero_update(
+    *, backend, layout: FlatLayout, stage: int, freeze_step: int, b1, b2, eps, weight_decay, decays: bool,
+    mask_bufs, bias_correction: bool, learning_rate, error_feedback: bool, grads, state: OneBitAdamZeroState,
+    params,
+):
+    """One 1-bit Adam update with ZeRO partitioning (per-device view, inside shard_map over the data axis).
+
+    ``grads``: this rank's local gradient tree. ``params``: the full tree (stages 1, 2) or this rank's ``(1, C_g)``
+    chunks (stage 3). Returns ``(updates, new_state)``, updates shaped like ``params``.
+    """
+    axis = backend.axis_name
+    p = backend.size
+    r = lax.axis_index(axis)
+    ngroups = len(layout.groups)
+    g_flat = layout.flatten(grads)  # padded, float32, local
+    if stage == 3:
+        p_chunk = tuple(c[0].astype(jnp.float32) for c in params)
+    else:
+        p_flat = layout.flatten(params)
+        p_chunk = tuple(lax.dynamic_slice_in_dim(p_flat[g], r * layout.chunk(g), layout.chunk(g))
+                        for g in range(ngroups))
+    valid = tuple((r * layout.chunk(g) + jnp.arange(layout.chunk(g))) < layout.size(g) for g in range(ngroups))
+
+    count = state.count
+    step = count + 1
+    if bias_correction:
+        c1 = 1.0 - b1 ** step.astype(jnp.float32)
+        c2 = 1.0 - b2 ** jnp.minimum(step, freeze_step).astype(jnp.float32)
+    else:
+        c1 = c2 = jnp.float32(1.0)
+    lr = learning_rate(count) if callable(learning_rate) else learning_rate
+
+    def direction(m, v, w):
+        u = (m / c1) / (jnp.sqrt(v / c2) + eps)
+        if decays:
+            u = u + weight_decay * w
+        return -lr * u
+
+    def chunk_of(x, g):
+        return lax.dynamic_slice_in_dim(x, r * layout.chunk(g), layout.chunk(g))
+
+    def mask_chunk(g):
+        return None if mask_bufs is None else chunk_of(jnp.asarray(mask_bufs[g]), g)
+
+    def finish(u_chunks, u_full):
+        """Updates shaped like params: chunks (stage 3) or a tree (stages 1, 2)."""
+        if stage == 3:
+            return tuple(jnp.where(valid[g], u_chunks[g], 0.0)[None] for g in range(ngroups))
+        return layout.unflatten(u_full)
+
+    def varying(t):
+        return jax.tree.map(lambda e: as_varying(e, axis), t)
+
+    mu, nu = varying(state.mu), varying(state.nu)
+    we, se = varying(state.worker_error), varying(state.server_error)
+    nu_full, m_rows = state.nu_full, state.m_rows
+
+    def warmup(_):
+        new_mu, new_nu, u_chunks = [], [], []
+        for g in range(ngroups):
+            if stage == 1:  # gradients not partitioned: all-reduce, then take this rank's chunk
+                gc = chunk_of(lax.pmean(g_flat[g], axis), g)
+            else:
+                gc = lax.psum_scatter(g_flat[g], axis, scatter_dimension=0, tiled=True) / p
+            m = b1 * mu[g][0] + (1.0 - b1) * gc
+            v = b2 * nu[g][0] + (1.0 - b2) * gc * gc
+            new_mu.append(m[None])
+            new_nu.append(v[None])
+            u_chunks.append(direction(m, v, p_chunk[g]))
+        u_full = None
+        if stage != 3:  # replicated params: everyone needs every updated chunk (ZeRO-1/2's all-gather)
+            u_full = tuple(lax.all_gather(jnp.where(valid[g], u_chunks[g], 0.0), axis, tiled=True,
+                                          to="invarying") for g in range(ngroups))
+        return finish(u_chunks, u_full), (tuple(new_mu), tuple(new_nu), nu_full, m_rows, we, se)
+
+    def compression(first: bool):
+        def branch(_):
+            new_mu, new_nfull, new_rows, new_we, new_se, u_chunks, u_full = [], [], [], [], [], [], []
+            for g in range(ngroups):
+                n = layout.size(g)
+                if first:  # the momentum is still float32 chunks: gather it once
+                    m_prev = lax.all_gather(mu[g][0], axis, tiled=True)[:n]
+                else:
+                    m_prev = decode_rows(m_rows[g], n)
+                    if mask_bufs is not None:
+                        m_prev = m_prev * jnp.asarray(mask_bufs[g])[:n]
+                x = b1 * m_prev + (1.0 - b1) * g_flat[g][:n]
+                rows, we_g, se_g = compressed_allreduce_rows(backend, x, we[g][0], se[g][0])
+                if not error_feedback:
+                    we_g, se_g = jnp.zeros_like(we_g), jnp.zeros_like(se_g)
+                new_rows.append(rows)
+                new_we.append(we_g[None])
+                new_se.append(se_g[None])
+                m_own = decode_rows(lax.dynamic_index_in_dim(rows, r, keepdims=False))
+                if mask_bufs is not None:
+                    m_own = m_own * mask_chunk(g)
+                new_mu.append(m_own[None])
+                if stage == 3:
+                    u_chunks.append(direction(m_own, nu[g][0], p_chunk[g]))
+                else:
+                    v_full = lax.all_gather(nu[g][0], axis, tiled=True, to="invarying") if first else nu_full[g]
+                    new_nfull.append(v_full)
+                    m_full = decode_rows(rows)
+                    if mask_bufs is not None:
+                        m_full = m_full * jnp.asarray(mask_bufs[g])
+                    u_full.append(direction(m_full, v_full, p_flat[g]))
+            nf = tuple(new_nfull) if stage != 3 else nu_full
+            return finish(u_chunks, tuple(u_full)), (tuple(new_mu), nu, nf, tuple(new_rows), tuple(new_we),
+                                                     tuple(new_se))
+
+        return branch
+
+    index = jnp.where(count < freeze_step, 0, jnp.where(count == freeze_step, 1, 2))
+    updates, (mu, nu, nu_full, m_rows, we, se) = lax.switch(
+        index, (warmup, compression(True), compression(False)), None)
+    if stage == 3:
+        updates = tuple(u.astype(c.dtype) for u, c in zip(updates, params, strict=True))
+    new_state = OneBitAdamZeroState(
+        count=optax.safe_int32_increment(count), mu=mu, nu=nu, nu_full=nu_full, m_rows=m_rows,
+        worker_error=we, server_error=se, stage=stage,
+    )
+    return updates, new_state
+
+
+def flat_mask(exp_avg_mask, layout: FlatLayout):
+    """The 0/1 mask as padded flat numpy buffers (host constants), or None."""
+    if exp_avg_mask is None:
+        return None
+    leaves = [np.asarray(m, np.float32) for m in jax.tree.leaves(exp_avg_mask)]
+    out = []
+    for g, idx in enumerate(layout.groups):
+        flat = np.concatenate([leaves[i].ravel() for i in idx])
+        out.append(np.pad(flat, (0, layout.padded(g) - flat.size)))
+    return tuple(out)
