@@ -54,9 +54,15 @@ def find_onebit_state(local_state):
     return found[0] if found else None
 
 
-def local_abstract_state(tx, params, mesh):
-    """``tx.init`` traced in the per-device view (shapes only)."""
-    init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+def uses_onebit(shardings: ZeroShardings) -> bool:
+    """Whether the optimizer state planned in ``shardings`` belongs to a 1-bit optimizer."""
+    return find_onebit_state(shardings.opt_state) is not None
+
+
+def local_abstract_state(tx_or_init, params, mesh):
+    """``tx.init`` traced in the per-device view (shapes only); takes a transform or its init function."""
+    init = getattr(tx_or_init, "init", tx_or_init)
+    init = jax.shard_map(init, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
     return jax.eval_shape(init, params)
 
 

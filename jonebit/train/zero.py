@@ -89,14 +89,14 @@ def init_zero(
     """
     stage = check_stage(stage)
     init = _master_init(tx, master_dtype)
-    abstract_state = jax.eval_shape(init, params)
-    from jonebit.transforms.onebit_adam import is_onebit_state
+    from jonebit.train.onebit_zero import find_onebit_state, init_onebit_zero, local_abstract_state
 
-    if any(is_onebit_state(n) for n in jax.tree.leaves(abstract_state, is_leaf=is_onebit_state)):
-        raise ValueError(
-            "init_zero: this optimizer contains a 1-bit transform, which needs the per-device view; use "
-            "jonebit.train.onebit_zero.init_onebit_zero (or make the transform with onebit_adam(..., zero_stage=...))"
-        )
+    if find_onebit_state(local_abstract_state(init, params, mesh)) is not None:
+        if master_dtype is not None:
+            raise ValueError("init_zero: master_dtype is not supported with the 1-bit optimizers (they keep float32 "
+                             "moments and update the params' own dtype)")
+        return init_onebit_zero(tx, params, mesh, stage=stage, axis=axis, offload_optimizer=offload_optimizer)
+    abstract_state = jax.eval_shape(init, params)
     from jonebit.sharding.zero import zero_shardings
 
     sh = zero_shardings(mesh, params, abstract_state, stage=stage, axis=axis, offload_optimizer=offload_optimizer)
@@ -110,9 +110,11 @@ def place_copy(tree, shardings):
 
     The steps donate their inputs; ``jax.device_put`` from one device to a replicated sharding reuses the source
     buffer on that device (even with ``may_alias=False`` on jax 0.10), so donating the result would delete the
-    caller's array.
+    caller's array. The ``device_put`` comes first so that arrays committed to other devices (e.g. one device)
+    can be placed at all; the jitted copy then gives the result its own buffers.
     """
-    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(tree)
+    placed = jax.device_put(tree, shardings)
+    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(placed)
 
 
 def _master_init(tx, master_dtype):
@@ -205,6 +207,12 @@ def make_zero_step(
 
     The step is one ``jax.jit``; the loss returned is the mean over all devices.
     """
+    from jonebit.train.onebit_zero import make_onebit_zero_step, uses_onebit
+
+    if uses_onebit(shardings):
+        if reduce_dtype is not None:
+            raise ValueError("make_zero_step: the 1-bit optimizers do their own communication; drop reduce_dtype")
+        return make_onebit_zero_step(loss_fn, tx, mesh, shardings, batch_spec=batch_spec, donate=donate)
     grads_fn = make_zero_grads(loss_fn, mesh, shardings, batch_spec=batch_spec, reduce_dtype=reduce_dtype)
     state_dev = _device_shardings(shardings.opt_state) if shardings.offload_optimizer else shardings.opt_state
 

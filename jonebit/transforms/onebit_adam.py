@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from jonebit.comm.backends import AxisBackend, Backend, as_varying, get_backend, varying_axes
 from jonebit.comm.compressed import compressed_allreduce_with, padded_size
+from jonebit.sharding.zero import register_per_rank_state
 from jonebit.transforms.onebit_zero import (
     ZERO_STAGES,
     FlatLayout,
@@ -436,3 +437,9 @@ def sharded_init(tx: optax.GradientTransformation, params, mesh: jax.sharding.Me
     specs = state_specs(local, axis_name)
     init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
     return init(params), specs
+
+
+# ZeRO planning (jonebit.sharding.zero_shardings) must not apply its per-leaf rule to these states: the plain
+# transform needs m and v whole, the ZeRO variant has its own chunk layout, and error buffers are per rank.
+register_per_rank_state(OneBitAdamState, state_specs)
+register_per_rank_state(OneBitAdamZeroState, zero_state_specs)
