@@ -168,3 +168,32 @@ def make_onebit_zero_step(
         out_shardings=(shardings.params, shardings.opt_state, NamedSharding(mesh, P())),
         donate_argnums=(0, 1) if donate else (),
     )
+
+
+def abstract_onebit_zero(tx, params, mesh, *, stage: int, axis: str = "data"):
+    """``(params, opt_state, shardings)`` as ``jax.ShapeDtypeStruct`` trees, without allocating (memory planning)."""
+    local = local_abstract_state(tx, params, mesh)
+    state = find_onebit_state(local)
+    if state is None or onebit_stage(state) != stage:
+        raise ValueError(f"abstract_onebit_zero: the optimizer is not a 1-bit optimizer made for ZeRO stage {stage}")
+    specs = state_specs(local, axis)
+    glob = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs), params)
+    state_sh = to_shardings(specs, mesh)
+    replicated = NamedSharding(mesh, P())
+    sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
+    opt_state = jax.tree.map(sds, glob, state_sh)
+    grads_sh = jax.tree.map(lambda _: replicated, params)
+    if stage == 3:
+        layout = FlatLayout.of(params, mesh.shape[axis],
+                               fused=len(state.mu) == 1 and len(jax.tree.leaves(params)) > 1)
+        chunk_sh = tuple(NamedSharding(mesh, P(axis)) for _ in layout.groups)
+        chunks = tuple(jax.ShapeDtypeStruct((layout.world_size, layout.chunk(g)), layout._common_dtype(), sharding=s)
+                       for g, s in enumerate(chunk_sh))
+        abstract_params = FlatParams(chunks=chunks, layout=layout)
+        param_sh = FlatParams(chunks=chunk_sh, layout=layout)
+    else:
+        param_sh = jax.tree.map(lambda _: replicated, params)
+        abstract_params = jax.tree.map(sds, params, param_sh)
+    sh = ZeroShardings(params=param_sh, grads=grads_sh, opt_state=state_sh, stage=stage, axis=axis,
+                       offload_optimizer=False)
+    return abstract_params, opt_state, sh

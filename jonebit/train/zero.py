@@ -249,8 +249,13 @@ def abstract_zero(tx, params, mesh, *, stage: int, axis: str = "data", offload_o
                   master_dtype=None):
     """``(params, opt_state, shardings)`` as ``jax.ShapeDtypeStruct`` trees: plan memory without allocating."""
     from jonebit.sharding.zero import zero_shardings
+    from jonebit.train.onebit_zero import abstract_onebit_zero, find_onebit_state, local_abstract_state
 
     init = _master_init(tx, master_dtype)
+    if find_onebit_state(local_abstract_state(init, params, mesh)) is not None:
+        if offload_optimizer or master_dtype is not None:
+            raise ValueError("abstract_zero: plans 1-bit optimizers without offload or master weights")
+        return abstract_onebit_zero(tx, params, mesh, stage=stage, axis=axis)
     abstract_state = jax.eval_shape(init, params)
     sh = zero_shardings(mesh, params, abstract_state, stage=stage, axis=axis, offload_optimizer=offload_optimizer)
     put = lambda t, s: jax.tree.map(lambda x, y: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=y), t, s)  # noqa: E731
