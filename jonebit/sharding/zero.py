@@ -72,12 +72,26 @@ def _axes_size(mesh, axes) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
-def base_spec(leaf, mesh) -> PartitionSpec:
-    """The spec a leaf already has on ``mesh`` (e.g. model-parallel axes), or ``P()``."""
+def base_spec(leaf, mesh, axis: str | None = None) -> PartitionSpec:
+    """The spec a leaf already has on ``mesh`` (e.g. model-parallel axes), or ``P()``.
+
+    With ``axis``, that axis is removed from the spec: where the data axis goes is the stage's decision, not the
+    input's (a tree laid out for stage 3 and planned again for stage 1 must come back with replicated params).
+    """
     sharding = getattr(leaf, "sharding", None)
-    if isinstance(sharding, NamedSharding) and sharding.mesh.shape_tuple == mesh.shape_tuple:
+    if not (isinstance(sharding, NamedSharding) and sharding.mesh.shape_tuple == mesh.shape_tuple):
+        return P()
+    if axis is None:
         return sharding.spec
-    return P()
+
+    def drop(entry):
+        kept = tuple(a for a in _entry_axes(entry) if a != axis)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    entries = [drop(e) for e in sharding.spec]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
 
 
 def shard_dim(shape, mesh, axis: str, spec: PartitionSpec = _REPLICATED) -> int | None:
@@ -138,7 +152,7 @@ def _is_special(node) -> bool:
 
 def _tree_specs(tree, mesh, axis: str, partition: bool, what: str):
     def one(path, leaf):
-        spec = base_spec(leaf, mesh)
+        spec = base_spec(leaf, mesh, axis)
         shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
         if not partition:
             return spec
