@@ -19,7 +19,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jonebit.transforms.onebit_adam import OneBitAdamState
+from jonebit.transforms.onebit_adam import OneBitAdamState, is_onebit_state
+from jonebit.transforms.onebit_zero import OneBitAdamZeroState
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +62,16 @@ def _join(stripped, target, errors):
 
 
 def _world_size(tree) -> int | None:
-    for node in jax.tree.leaves(tree, is_leaf=_is_state):
-        if _is_state(node):
+    for node in jax.tree.leaves(tree, is_leaf=is_onebit_state):
+        if is_onebit_state(node):
             return int(jax.tree.leaves(node.worker_error)[0].shape[0])
+    return None
+
+
+def _zero_stage(tree) -> int | None:
+    for node in jax.tree.leaves(tree, is_leaf=is_onebit_state):
+        if isinstance(node, OneBitAdamZeroState):
+            return node.stage
     return None
 
 
@@ -76,8 +84,9 @@ def save(path: str | pathlib.Path, state: Any, *, step: int, overwrite: bool = F
 
     path = pathlib.Path(path)
     stripped, errors = _split(state)
+    items = {"state": stripped, "errors": errors} if errors else {"state": stripped}  # orbax refuses empty items
     ocp.save_checkpointables(
-        path, {"state": stripped, "errors": errors}, overwrite=overwrite,
+        path, items, overwrite=overwrite,
         custom_metadata={"step": int(step), "world_size": _world_size(state)},
     )
     return path
@@ -102,9 +111,17 @@ def restore(path: str | pathlib.Path, target: Any) -> tuple[Any, int]:
     )
     stripped, errors = _split(abstract)
     saved, current = meta.get("world_size"), _world_size(target)
+    if saved != current and _zero_stage(target) is not None:
+        raise ValueError(
+            f"checkpoint {path} holds 1-bit Adam partitioned for ZeRO stage {_zero_stage(target)} over {saved} ranks; "
+            f"its momentum, variance (and at stage 3 the parameters) are laid out in server chunks of that world "
+            f"size and cannot be restored on {current} ranks. Restore it on {saved} ranks, or save the parameter "
+            "tree (FlatParams.tree()) and restart the optimizer"
+        )
     if saved == current:
-        loaded = ocp.load_checkpointables(path, {"state": stripped, "errors": errors})
-        state = _join(loaded["state"], abstract, loaded["errors"])
+        items = {"state": stripped, "errors": errors} if errors else {"state": stripped}
+        loaded = ocp.load_checkpointables(path, items)
+        state = _join(loaded["state"], abstract, loaded.get("errors", []))
     else:
         log.warning(
             "checkpoint %s was written with %s data-parallel ranks, restoring on %s: 1-bit Adam's error "

@@ -173,7 +173,7 @@ def onebit_adam(
     mpi_comm: Any = None,
     error_feedback: bool = True,
     amsgrad: bool = False,
-    zero_stage: int = 0,
+    zero_stage: int | None = None,
 ) -> optax.GradientTransformation:
     r"""1-bit Adam (Tang et al., 2021) with DeepSpeed's semantics.
 
@@ -208,8 +208,8 @@ def onebit_adam(
       mpi_comm: an mpi4py communicator; when given, the collectives go through MPI (mpi4jax) instead.
       error_feedback: keep the error buffers (the algorithm). ``False`` is for studying their effect only.
       amsgrad: not supported by 1-bit Adam; ``True`` raises.
-      zero_stage: ZeRO partitioning of the optimizer (0-3, shard_map only). ``1``/``2``: momentum and variance
-        partitioned during warmup, the synchronised momentum kept as packed signs, the frozen variance whole;
+      zero_stage: ZeRO partitioning of the optimizer (0-3, default 0, shard_map only). ``1``/``2``: momentum and
+        variance partitioned during warmup, the synchronised momentum kept as packed signs, the frozen variance whole;
         ``3``: also the parameters, as the server chunks of the flattened tree (``update`` then takes and returns
         this rank's chunks). See :mod:`jonebit.transforms.onebit_zero`; build the step with
         :func:`jonebit.train.zero.make_zero_step`.
@@ -250,8 +250,16 @@ def onebit_adam(
     if mpi_comm is not None:
         axis_name = None
     freeze_step = int(freeze_step)
-    if isinstance(zero_stage, bool) or zero_stage not in (0, *ZERO_STAGES):
+    if zero_stage is None:  # None, not 0, as the default: optax.inject_hyperparams would turn an int into an array
+        zero_stage = 0
+    if not isinstance(zero_stage, int | np.integer) or isinstance(zero_stage, bool):
+        raise TypeError(
+            "onebit_adam: zero_stage must be a Python int (it decides the state layout), got "
+            f"{type(zero_stage).__name__}; under optax.inject_hyperparams list it in static_args"
+        )
+    if zero_stage not in (0, *ZERO_STAGES):
         raise ValueError(f"onebit_adam: zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    zero_stage = int(zero_stage)
     if zero_stage and mpi_comm is not None:
         raise ValueError("onebit_adam: zero_stage >= 1 runs over a shard_map axis; it is not available with mpi_comm")
 

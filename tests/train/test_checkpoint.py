@@ -65,3 +65,43 @@ def test_world_size_change_resets_errors(tmp_path, caplog):
     assert restored["opt_state"].worker_error.shape == target_state.worker_error.shape
     assert not np.any(np.asarray(restored["opt_state"].worker_error))
     assert int(restored["opt_state"].count) == 4
+
+
+def test_zero_stage3_onebit_round_trip_and_world_size_guard(tmp_path):
+    import functools
+
+    import pytest
+
+    from jonebit.models import tiny_lm
+    from jonebit.train.zero import init_zero, make_zero_step
+
+    cfg = tiny_lm.TinyLMConfig(vocab_size=32, seq_len=8, dim=16, heads=2, layers=1)
+    params0 = tiny_lm.init_params(cfg, jax.random.key(0))
+    rng = np.random.default_rng(0)
+    batches = [jax.numpy.asarray(rng.integers(0, 32, (8, 9))) for _ in range(6)]
+    loss = functools.partial(tiny_lm.loss_fn, cfg=cfg)
+
+    def run(mesh, params, state, sh, bs):
+        step = make_zero_step(loss, tx, mesh, sh, donate=False)
+        for b in bs:
+            params, state, _ = step(params, state, b)
+        return params, state
+
+    tx = onebit_adam(1e-2, freeze_step=2, fused=False, zero_stage=3)
+    mesh = data_mesh(8)
+    params, state, sh = init_zero(tx, params0, mesh, stage=3)
+    params, state = run(mesh, params, state, sh, batches[:3])  # past freeze_step: packed momentum in use
+    assert np.any(np.asarray(state.worker_error[0]))
+    checkpoint.save(tmp_path / "z3", {"params": params, "opt_state": state}, step=3)
+    restored, step = checkpoint.restore(tmp_path / "z3", {"params": params, "opt_state": state})
+    assert step == 3
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored),
+                 jax.device_get({"params": params, "opt_state": state}))
+    cont = run(mesh, params, state, sh, batches[3:])
+    resumed = run(mesh, restored["params"], restored["opt_state"], sh, batches[3:])
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed), jax.device_get(cont))
+
+    mesh4 = data_mesh(4)
+    p4, s4, _ = init_zero(tx, params0, mesh4, stage=3)
+    with pytest.raises(ValueError, match="server chunks"):
+        checkpoint.restore(tmp_path / "z3", {"params": p4, "opt_state": s4})
