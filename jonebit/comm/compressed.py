@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from jonebit.comm.backends import Backend, get_backend
-from jonebit.comm.packing import pack_signs, sign_bits, unpack_rows
+from jonebit.comm.packing import pack_signs, select_signs, sign_bits, unpack_rows
 
 _SCALE_BYTES = 4  # one float32 scale, bit-cast to uint8
 
@@ -77,6 +77,11 @@ def _split_scale(rows: jax.Array):
     return rows[..., :-_SCALE_BYTES], scales
 
 
+def _signed(scales: jax.Array):
+    """``(scales * 1, scales * -1)``: the two values ``scales * sgn`` takes, computed exactly like that product."""
+    return scales * np.float32(1.0), scales * np.float32(-1.0)
+
+
 def _sum_rows(row, p: int):
     """``row(0) + row(1) + ... + row(p-1)``, added in that order."""
     if p <= 64:
@@ -110,6 +115,29 @@ def _check_buffers(x, worker_error, server_error, p: int):
     return x, n, n_pad, chunk
 
 
+def _worker_rows(x, n: int, worker_error, p: int):
+    """Worker side: ``(rows, new_worker_error)``; row ``j`` of the ``(P, C/8 + 4)`` rows goes to rank ``j``."""
+    buf = jnp.pad(x.astype(jnp.float32), (0, worker_error.shape[0] - n)) + worker_error
+    s_w, packed, new_worker_error = _compress(buf)
+    return _with_scale(packed.reshape(p, -1), s_w), new_worker_error
+
+
+def _server_row(received, server_error, p: int):
+    """Server side of the ``(P, C/8 + 4)`` rows received from the workers: ``(row, new_server_error)``."""
+    bits_from, s_w_all = _split_scale(received)
+    # This rank's chunk, averaged over workers, summed in rank order. Row by row (not a reduction over the
+    # rank axis, which XLA's CPU backend runs an order of magnitude slower). Kept as unpacked signs times the
+    # weights: XLA:CPU recomputes this sum inside the fused norm of y when the chunk is small, and the
+    # rounding of that fused reduction depends on how the sum is written (a select of +-w, bitwise equal
+    # element by element, changed the norm's last bit there).
+    signs = unpack_rows(bits_from)  # (P, C/8, 8), exact +-1
+    w = s_w_all / np.float32(p)
+    z = _sum_rows(lambda j: signs[j] * w[j], p).reshape(-1)
+    y = z + server_error
+    s_s, server_packed, new_server_error = _compress(y)
+    return _with_scale(server_packed, s_s), new_server_error
+
+
 def compressed_allreduce_rows(backend: Backend, x, worker_error, server_error):
     """The compressed allreduce up to (and including) its last collective, without decoding the result.
 
@@ -118,27 +146,38 @@ def compressed_allreduce_rows(backend: Backend, x, worker_error, server_error):
     identical on all ranks. :func:`decode_rows` turns it into the averaged vector. The synchronised result is
     exactly these bits and scales, so it can be kept packed (1/32 of its float32 size) and decoded when needed.
     """
+    (rows,), (new_worker_error,), (new_server_error,) = compressed_allreduce_rows_many(
+        backend, [x], [worker_error], [server_error])
+    return rows, new_worker_error, new_server_error
+
+
+def compressed_allreduce_rows_many(backend: Backend, xs, worker_errors, server_errors):
+    """:func:`compressed_allreduce_rows` of several independent buffers, sharing its two collectives.
+
+    Buffer ``k`` gets exactly what its own call would give (its own scales, errors and chunking); only the
+    transport is shared: the rows of all buffers travel side by side in one all-to-all and one all-gather,
+    the same bytes as separate calls in two collectives instead of two per buffer. Returns three lists.
+    """
     p = backend.size
-    x, n, n_pad, chunk = _check_buffers(x, worker_error, server_error, p)
+    checked = [_check_buffers(x, we, se, p) for x, we, se in zip(xs, worker_errors, server_errors, strict=True)]
+    worker = [_worker_rows(x, n, we, p) for (x, n, _, _), we in zip(checked, worker_errors, strict=True)]
+    received = _split_columns(backend.all_to_all(_join_columns([rows for rows, _ in worker])), worker)
+    server = [_server_row(r, se, p) for r, se in zip(received, server_errors, strict=True)]
+    gathered = _split_columns(backend.all_gather(_join_columns([row for row, _ in server])), server)
+    return gathered, [we for _, we in worker], [se for _, se in server]
 
-    # Worker side.
-    buf = jnp.pad(x.astype(jnp.float32), (0, n_pad - n)) + worker_error
-    s_w, packed, new_worker_error = _compress(buf)
-    rows = _with_scale(packed.reshape(p, chunk // 8), s_w)  # row j -> rank j
-    received = backend.all_to_all(rows)  # row j <- rank j
-    bits_from, s_w_all = _split_scale(received)
 
-    # Server side: this rank's chunk, averaged over workers, summed in rank order. Row by row (not a
-    # reduction over the rank axis, which XLA's CPU backend runs an order of magnitude slower).
-    signs = unpack_rows(bits_from)  # (P, C/8, 8), exact +-1
-    w = s_w_all / np.float32(p)
-    z = _sum_rows(lambda j: signs[j] * w[j], p).reshape(-1)
-    y = z + server_error
-    s_s, server_packed, new_server_error = _compress(y)
+def _join_columns(arrays):
+    return arrays[0] if len(arrays) == 1 else jnp.concatenate(arrays, axis=-1)
 
-    # Phase 2: everyone gets every server chunk and scale.
-    gathered = backend.all_gather(_with_scale(server_packed, s_s))  # (P, C/8 + 4)
-    return gathered, new_worker_error, new_server_error
+
+def _split_columns(joined, like):
+    """Inverse of :func:`_join_columns` on the last axis, widths taken from ``like[k][0]``."""
+    if len(like) == 1:
+        return [joined]
+    widths = [a.shape[-1] for a, _ in like]
+    bounds = np.cumsum([0, *widths])
+    return [joined[..., int(a):int(b)] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def decode_rows(rows: jax.Array, n: int | None = None) -> jax.Array:
@@ -156,6 +195,39 @@ def decode_rows(rows: jax.Array, n: int | None = None) -> jax.Array:
     bits, scales = _split_scale(rows)
     out = (unpack_rows(bits) * scales[:, None, None]).reshape(-1)
     return out if n is None else out[:n]
+
+
+def decode_segments(rows: jax.Array, sizes) -> list[jax.Array]:
+    """:func:`decode_rows` of ``(P, C/8 + 4)`` rows, split into consecutive 1-D pieces of the given sizes.
+
+    Every piece is decoded on its own from the bytes that cover it, row by row, as a select between
+    ``scale_j * 1`` and ``scale_j * -1`` (element for element the bits of ``scale_j * unpack(bits)``), so each
+    output element is written once, in its final place: no full-length decoded vector is materialised and
+    then split (on XLA:CPU such a split re-derives each element's row and bit from its flat index with
+    divisions and costs more than the decoding). The elements are those of :func:`decode_rows`; a reduction
+    XLA fuses over them may still round differently (XLA:CPU contracts and vectorises fused arithmetic by
+    its form), so the 1-bit Adam step uses this only where the decoded values leave the step as they are.
+    """
+    bits, scales = _split_scale(rows)
+    pos, neg = _signed(scales)
+    k = bits.shape[-1]  # bytes per row
+    out, offset = [], 0
+    for n in sizes:
+        n = int(n)
+        lo, hi = offset // 8, -(-(offset + n) // 8)  # bytes covering [offset, offset + n)
+        pieces = []
+        while lo < hi:
+            r = lo // k
+            end = min(hi, (r + 1) * k)
+            pieces.append(select_signs(bits[r, lo - r * k:end - r * k], pos[r], neg[r]))
+            lo = end
+        piece = (jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0]).reshape(-1) if pieces \
+            else jnp.zeros((0,), jnp.float32)
+        if offset % 8 or n % 8:
+            piece = piece[offset % 8:offset % 8 + n]
+        out.append(piece)
+        offset += n
+    return out
 
 
 def compressed_allreduce_with(backend: Backend, x, worker_error, server_error):

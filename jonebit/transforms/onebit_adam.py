@@ -42,7 +42,12 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jonebit.comm.backends import AxisBackend, Backend, as_varying, get_backend, varying_axes
-from jonebit.comm.compressed import compressed_allreduce_with, padded_size
+from jonebit.comm.compressed import (
+    compressed_allreduce_rows,
+    compressed_allreduce_rows_many,
+    decode_segments,
+    padded_size,
+)
 from jonebit.sharding.zero import register_per_rank_state
 from jonebit.transforms.onebit_zero import (
     ZERO_STAGES,
@@ -115,13 +120,6 @@ def _check_mask(mask, params) -> None:
 def _flatten(tree) -> jax.Array:
     leaves = jax.tree.leaves(tree)
     return jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
-
-
-def _unflatten(flat: jax.Array, like):
-    leaves, treedef = jax.tree.flatten(like)
-    sizes = [int(np.prod(x.shape)) for x in leaves]
-    parts = jnp.split(flat, np.cumsum(sizes)[:-1]) if len(sizes) > 1 else [flat]
-    return treedef.unflatten([p.reshape(x.shape) for p, x in zip(parts, leaves, strict=True)])
 
 
 def _error_buffers(sizes, world_size: int):
@@ -315,21 +313,28 @@ def onebit_adam(
     def compress(backend, m_local, worker_error, server_error):
         """Compressed allreduce of the momentum tree; returns (m, worker_error, server_error)."""
 
-        def one(x, we, se):
-            out, we_new, se_new = compressed_allreduce_with(backend, x, we[0], se[0])
-            if not error_feedback:
-                we_new, se_new = jnp.zeros_like(we_new), jnp.zeros_like(se_new)
-            return out, we_new[None], se_new[None]
-
         if fused:
-            out, we, se = one(_flatten(m_local), worker_error, server_error)
-            return _unflatten(out, m_local), we, se
-        triples = jax.tree.map(lambda x, we, se: one(jnp.ravel(x), we, se), m_local, worker_error, server_error)
-        is_triple = lambda t: isinstance(t, tuple) and len(t) == 3  # noqa: E731
-        m = jax.tree.map(lambda t, x: t[0].reshape(x.shape), triples, m_local, is_leaf=is_triple)
-        we = jax.tree.map(lambda t: t[1], triples, is_leaf=is_triple)
-        se = jax.tree.map(lambda t: t[2], triples, is_leaf=is_triple)
-        return m, we, se
+            # One compressed allreduce of the flattened tree, decoded straight into the leaves (no full-length
+            # decoded vector to split).
+            leaves, treedef = jax.tree.flatten(m_local)
+            rows, we, se = compressed_allreduce_rows(backend, _flatten(m_local), worker_error[0], server_error[0])
+            if not error_feedback:
+                we, se = jnp.zeros_like(we), jnp.zeros_like(se)
+            parts = decode_segments(rows, [x.size for x in leaves])
+            m = treedef.unflatten([p.reshape(x.shape).astype(x.dtype) for p, x in zip(parts, leaves, strict=True)])
+            return m, we[None], se[None]
+        # Per leaf: each leaf is its own compressed allreduce (own scales, errors, padding), but all leaves
+        # share one all-to-all and one all-gather (same bytes, two collectives instead of two per leaf).
+        leaves, treedef = jax.tree.flatten(m_local)
+        wes, ses = treedef.flatten_up_to(worker_error), treedef.flatten_up_to(server_error)
+        rows, wes, ses = compressed_allreduce_rows_many(
+            backend, [jnp.ravel(x) for x in leaves], [we[0] for we in wes], [se[0] for se in ses])
+        if not error_feedback:
+            wes, ses = [jnp.zeros_like(we) for we in wes], [jnp.zeros_like(se) for se in ses]
+        m = [decode_segments(r, [x.size])[0].reshape(x.shape).astype(x.dtype)
+             for r, x in zip(rows, leaves, strict=True)]
+        return (treedef.unflatten(m), treedef.unflatten([we[None] for we in wes]),
+                treedef.unflatten([se[None] for se in ses]))
 
     def update_fn(grads, state, params=None):
         if decays and params is None:
