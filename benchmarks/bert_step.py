@@ -85,7 +85,7 @@ def bench_jonebit(args, batch) -> dict:
     import optax
     from flax import nnx
 
-    from jonebit.models.bert import BertConfig, BertForPreTraining
+    from jonebit.models.bert import BertConfig, BertForPreTraining, pretraining_loss
 
     config = BertConfig.preset(args.config)
     model = BertForPreTraining(config, rngs=nnx.Rngs(params=0, dropout=1))
@@ -95,12 +95,7 @@ def bench_jonebit(args, batch) -> dict:
 
     def loss_fn(model, data):
         out = model(data["input_ids"], data["attention_mask"], data["token_type_ids"])
-        labels = data["labels"]
-        valid = labels >= 0
-        mlm = optax.softmax_cross_entropy_with_integer_labels(out.prediction_logits, jnp.where(valid, labels, 0))
-        mlm = jnp.sum(jnp.where(valid, mlm, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
-        nsp = optax.softmax_cross_entropy_with_integer_labels(out.seq_relationship_logits, data["next_sentence_label"])
-        return mlm + jnp.mean(nsp)
+        return pretraining_loss(out, data)
 
     @nnx.jit
     def train_step(model, optimizer, data):

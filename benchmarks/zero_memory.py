@@ -43,7 +43,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jonebit.models.bert import BertConfig, BertForPreTraining
+from jonebit.models.bert import BertConfig, BertForPreTraining, pretraining_loss
 from jonebit.sharding.mesh import data_mesh
 from jonebit.sharding.zero import bytes_per_device
 from jonebit.train.zero import abstract_zero, init_zero, make_zero_grads, make_zero_step
@@ -86,12 +86,7 @@ def make_loss(graphdef, rest):
     def loss_fn(params, data):
         model = nnx.merge(graphdef, params, rest)
         out = model(data["input_ids"], data["attention_mask"], data["token_type_ids"], deterministic=True)
-        labels = data["labels"]
-        valid = labels >= 0
-        mlm = optax.softmax_cross_entropy_with_integer_labels(out.prediction_logits, jnp.where(valid, labels, 0))
-        mlm = jnp.sum(jnp.where(valid, mlm, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
-        nsp = optax.softmax_cross_entropy_with_integer_labels(out.seq_relationship_logits, data["next_sentence_label"])
-        return mlm + jnp.mean(nsp)
+        return pretraining_loss(out, data)
 
     return loss_fn
 

@@ -56,6 +56,7 @@ from jonebit.transforms.onebit_zero import (
     check_flat_dtypes,
     flat_mask,
     init_zero_state,
+    step_scalars,
     zero_state_specs,
     zero_update,
 )
@@ -369,13 +370,8 @@ def onebit_adam(
         count = state.count
         mu, nu, worker_error, server_error = lax.cond(count < freeze_step, warmup, compression, None)
 
-        step = count + 1
-        if bias_correction:
-            c1 = 1.0 - b1 ** step.astype(jnp.float32)
-            c2 = 1.0 - b2 ** jnp.minimum(step, freeze_step).astype(jnp.float32)
-        else:
-            c1 = c2 = jnp.float32(1.0)
-        lr = learning_rate(count) if callable(learning_rate) else learning_rate
+        c1, c2, lr = step_scalars(count, b1=b1, b2=b2, freeze_step=freeze_step, bias_correction=bias_correction,
+                                  learning_rate=learning_rate)
 
         def direction(m, v, p):
             u = (m / c1) / (jnp.sqrt(v / c2) + eps)

@@ -181,6 +181,19 @@ def init_zero_state(layout: FlatLayout, stage: int) -> OneBitAdamZeroState:
     )
 
 
+def step_scalars(count, *, b1, b2, freeze_step: int, bias_correction: bool, learning_rate):
+    """``(c1, c2, lr)`` of the update that follows ``count`` updates (bias corrections are 1 unless asked for; the
+    variance's stays at its freeze_step value once the variance is frozen)."""
+    step = count + 1
+    if bias_correction:
+        c1 = 1.0 - b1 ** step.astype(jnp.float32)
+        c2 = 1.0 - b2 ** jnp.minimum(step, freeze_step).astype(jnp.float32)
+    else:
+        c1 = c2 = jnp.float32(1.0)
+    lr = learning_rate(count) if callable(learning_rate) else learning_rate
+    return c1, c2, lr
+
+
 def zero_update(
     *, backend, layout: FlatLayout, stage: int, freeze_step: int, b1, b2, eps, weight_decay, decays: bool,
     mask_bufs, bias_correction: bool, learning_rate, error_feedback: bool, grads, state: OneBitAdamZeroState,
@@ -205,13 +218,8 @@ def zero_update(
     valid = tuple((r * layout.chunk(g) + jnp.arange(layout.chunk(g))) < layout.size(g) for g in range(ngroups))
 
     count = state.count
-    step = count + 1
-    if bias_correction:
-        c1 = 1.0 - b1 ** step.astype(jnp.float32)
-        c2 = 1.0 - b2 ** jnp.minimum(step, freeze_step).astype(jnp.float32)
-    else:
-        c1 = c2 = jnp.float32(1.0)
-    lr = learning_rate(count) if callable(learning_rate) else learning_rate
+    c1, c2, lr = step_scalars(count, b1=b1, b2=b2, freeze_step=freeze_step, bias_correction=bias_correction,
+                              learning_rate=learning_rate)
 
     def direction(m, v, w):
         u = (m / c1) / (jnp.sqrt(v / c2) + eps)

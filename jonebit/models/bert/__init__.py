@@ -8,6 +8,7 @@ from jonebit.models.bert.modeling import (
     BertModel,
     BertModelOutput,
     QuestionAnsweringOutput,
+    pretraining_loss,
 )
 from jonebit.models.bert.params import (
     hf_state_dict,
@@ -28,6 +29,7 @@ __all__ = [
     "hf_state_dict",
     "load_hf_checkpoint",
     "position_embedding_mask",
+    "pretraining_loss",
     "read_hf_checkpoint",
     "save_hf_checkpoint",
 ]

@@ -365,3 +365,22 @@ class BertForQuestionAnswering(nnx.Module):
         out = self.bert(input_ids, attention_mask, token_type_ids, deterministic=deterministic)
         logits = self.qa_outputs(out.last_hidden_state).astype(jnp.float32)
         return QuestionAnsweringOutput(start_logits=logits[..., 0], end_logits=logits[..., 1])
+
+
+def pretraining_loss(out: BertForPreTrainingOutput, batch) -> jax.Array:
+    """Masked-LM + next-sentence loss of a :class:`BertForPreTraining` output (transformers' definition).
+
+    ``batch["labels"]``: ``(B, T)`` token ids at masked positions and ``-100`` (any negative value) elsewhere; the MLM
+    term is the mean cross-entropy over the masked positions. ``batch["next_sentence_label"]``: ``(B,)`` 0 (B follows
+    A) or 1 (random B); the NSP term is the mean over the batch.
+    """
+    import optax
+
+    labels = batch["labels"]
+    valid = labels >= 0
+    mlm = optax.softmax_cross_entropy_with_integer_labels(
+        out.prediction_logits.astype(jnp.float32), jnp.where(valid, labels, 0))
+    mlm = jnp.sum(jnp.where(valid, mlm, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
+    nsp = optax.softmax_cross_entropy_with_integer_labels(
+        out.seq_relationship_logits.astype(jnp.float32), batch["next_sentence_label"])
+    return mlm + jnp.mean(nsp)

@@ -124,3 +124,22 @@ def test_input_errors():
         model(jnp.ones((1, 33), jnp.int32))
     with pytest.raises(ValueError, match=r"\[batch, seq\]"):
         model(jnp.ones((33,), jnp.int32))
+
+
+def test_pretraining_loss_matches_torch_cross_entropy():
+    import torch
+
+    from jonebit.models.bert import BertForPreTrainingOutput, pretraining_loss
+
+    rng = np.random.default_rng(0)
+    pl = rng.standard_normal((2, 5, 11)).astype(np.float32)
+    sl = rng.standard_normal((2, 2)).astype(np.float32)
+    labels = np.full((2, 5), -100)
+    labels[0, 1], labels[1, 4], labels[1, 0] = 3, 7, 2
+    nsp = np.array([0, 1])
+    out = BertForPreTrainingOutput(prediction_logits=jnp.asarray(pl), seq_relationship_logits=jnp.asarray(sl),
+                                   last_hidden_state=None)
+    got = float(pretraining_loss(out, {"labels": labels, "next_sentence_label": nsp}))
+    ce = torch.nn.CrossEntropyLoss()  # ignore_index=-100, mean over the counted positions
+    want = ce(torch.tensor(pl).view(-1, 11), torch.tensor(labels).view(-1)) + ce(torch.tensor(sl), torch.tensor(nsp))
+    assert abs(got - float(want)) < 1e-5
