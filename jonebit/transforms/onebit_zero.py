@@ -82,27 +82,26 @@ class FlatLayout:
     def chunk(self, g: int) -> int:
         return self.padded(g) // self.world_size
 
-    def flatten(self, tree, dtype=jnp.float32, pad: bool = True) -> tuple:
-        """Tuple of flat buffers (padded to ``padded(g)`` unless ``pad=False``)."""
+    def flatten(self, tree, dtype=jnp.float32) -> tuple:
+        """Tuple of flat buffers, each zero-padded to ``padded(g)``."""
         leaves = jax.tree.leaves(tree)
         out = []
         for g, idx in enumerate(self.groups):
             parts = [jnp.ravel(leaves[i]).astype(dtype) for i in idx]
             flat = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-            if pad:
-                flat = jnp.pad(flat, (0, self.padded(g) - flat.shape[0]))
+            flat = jnp.pad(flat, (0, self.padded(g) - flat.shape[0]))
             out.append(flat)
         return tuple(out)
 
-    def unflatten(self, bufs, cast: bool = True):
-        """Tree from flat buffers (padded or not); leaves cast back to their dtypes when ``cast``."""
+    def unflatten(self, bufs):
+        """Tree from flat buffers (padded or not), leaves cast back to their dtypes."""
         leaves = [None] * len(self.shapes)
         for g, idx in enumerate(self.groups):
             offset = 0
             for i in idx:
                 n = math.prod(self.shapes[i])
                 x = bufs[g][offset:offset + n].reshape(self.shapes[i])
-                leaves[i] = x.astype(self.dtypes[i]) if cast else x
+                leaves[i] = x.astype(self.dtypes[i])
                 offset += n
         return self.treedef.unflatten(leaves)
 
