@@ -26,6 +26,7 @@ import math
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -253,6 +254,18 @@ def zero_shardings(mesh, params, opt_state, *, stage: int, axis: str = "data",
         axis=axis,
         offload_optimizer=bool(offload_optimizer),
     )
+
+
+def place_copy(tree, shardings):
+    """``tree`` laid out by ``shardings``, always in new buffers.
+
+    The steps donate their inputs; ``jax.device_put`` from one device to a replicated sharding reuses the source
+    buffer on that device (even with ``may_alias=False`` on jax 0.10), so donating the result would delete the
+    caller's array. The ``device_put`` comes first so that arrays committed to other devices (e.g. one device)
+    can be placed at all; the jitted copy then gives the result its own buffers.
+    """
+    placed = jax.device_put(tree, shardings)
+    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(placed)
 
 
 def bytes_per_device(tree, shardings) -> int:

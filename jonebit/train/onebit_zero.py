@@ -19,7 +19,7 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jonebit.sharding.zero import OFFLOAD_MEMORY_KIND, ZeroShardings, _check_offload, to_shardings
+from jonebit.sharding.zero import OFFLOAD_MEMORY_KIND, ZeroShardings, _check_offload, place_copy, to_shardings
 from jonebit.transforms.onebit_adam import OneBitAdamState, is_onebit_state, state_specs
 from jonebit.transforms.onebit_zero import FlatLayout, OneBitAdamZeroState
 
@@ -74,16 +74,16 @@ def onebit_stage(state) -> int:
     raise TypeError(f"not a 1-bit optimizer state: {type(state).__name__}")
 
 
-def init_onebit_zero(tx, params, mesh, *, stage: int, axis: str = "data", offload_optimizer: bool = False):
-    """``(params, opt_state, shardings)`` for a 1-bit optimizer made with ``zero_stage=stage``.
+def plan_onebit_zero(tx, params, mesh, *, stage: int, axis: str = "data", offload_optimizer: bool = False):
+    """``(shardings, state_specs, layout)`` of a 1-bit optimizer made with ``zero_stage=stage``.
 
-    ``params`` come back replicated (stages 1, 2) or as :class:`FlatParams` (stage 3).
+    ``layout`` is the :class:`FlatLayout` of the stage-3 parameters (None below stage 3). Works on arrays and
+    ``ShapeDtypeStruct`` params alike; allocates nothing.
     """
-    from jonebit.train.zero import place_copy
-
-    size = mesh.shape[axis]
     local = local_abstract_state(tx, params, mesh)
     state = find_onebit_state(local)
+    if state is None:
+        raise ValueError("the optimizer contains no 1-bit transform")
     tx_stage = onebit_stage(state)
     if tx_stage != stage:
         raise ValueError(
@@ -94,23 +94,36 @@ def init_onebit_zero(tx, params, mesh, *, stage: int, axis: str = "data", offloa
         _check_offload(mesh)
     specs = state_specs(local, axis)
     replicated = NamedSharding(mesh, P())
-    params = place_copy(params, jax.tree.map(lambda _: replicated, params))
-    # Local gradients are whole on every rank (each compresses its full momentum): nothing to partition.
-    grads_sh = jax.tree.map(lambda _: replicated, params)
-    opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
-    state_sh = to_shardings(specs, mesh, OFFLOAD_MEMORY_KIND if offload_optimizer else None)
-    if offload_optimizer:
-        opt_state = jax.device_put(opt_state, state_sh)
+    layout = None
     if stage == 3:
-        layout = FlatLayout.of(params, size, fused=len(state.mu) == 1 and len(jax.tree.leaves(params)) > 1)
-        chunk_sh = tuple(NamedSharding(mesh, P(axis)) for _ in layout.groups)
-        chunks = jax.jit(layout.to_chunks, out_shardings=chunk_sh)(params)
-        params = FlatParams(chunks=chunks, layout=layout)
-        param_sh = FlatParams(chunks=chunk_sh, layout=layout)
+        layout = FlatLayout.of(params, mesh.shape[axis],
+                               fused=len(state.mu) == 1 and len(jax.tree.leaves(params)) > 1)
+        param_sh = FlatParams(chunks=tuple(NamedSharding(mesh, P(axis)) for _ in layout.groups), layout=layout)
     else:
         param_sh = jax.tree.map(lambda _: replicated, params)
-    sh = ZeroShardings(params=param_sh, grads=grads_sh, opt_state=state_sh, stage=stage, axis=axis,
-                       offload_optimizer=bool(offload_optimizer))
+    sh = ZeroShardings(
+        params=param_sh,
+        # Local gradients are whole on every rank (each compresses its full momentum): nothing to partition.
+        grads=jax.tree.map(lambda _: replicated, params),
+        opt_state=to_shardings(specs, mesh, OFFLOAD_MEMORY_KIND if offload_optimizer else None),
+        stage=stage, axis=axis, offload_optimizer=bool(offload_optimizer),
+    )
+    return sh, specs, layout
+
+
+def init_onebit_zero(tx, params, mesh, *, stage: int, axis: str = "data", offload_optimizer: bool = False):
+    """``(params, opt_state, shardings)`` for a 1-bit optimizer made with ``zero_stage=stage``.
+
+    ``params`` come back replicated (stages 1, 2) or as :class:`FlatParams` (stage 3).
+    """
+    sh, specs, layout = plan_onebit_zero(tx, params, mesh, stage=stage, axis=axis,
+                                         offload_optimizer=offload_optimizer)
+    params = place_copy(params, sh.grads)  # replicated, in new buffers
+    init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
+    opt_state = jax.jit(init, out_shardings=sh.opt_state)(params)
+    if layout is not None:
+        chunks = jax.jit(layout.to_chunks, out_shardings=sh.params.chunks)(params)
+        params = FlatParams(chunks=chunks, layout=layout)
     return params, opt_state, sh
 
 
@@ -172,28 +185,12 @@ def make_onebit_zero_step(
 
 def abstract_onebit_zero(tx, params, mesh, *, stage: int, axis: str = "data"):
     """``(params, opt_state, shardings)`` as ``jax.ShapeDtypeStruct`` trees, without allocating (memory planning)."""
-    local = local_abstract_state(tx, params, mesh)
-    state = find_onebit_state(local)
-    if state is None or onebit_stage(state) != stage:
-        raise ValueError(f"abstract_onebit_zero: the optimizer is not a 1-bit optimizer made for ZeRO stage {stage}")
-    specs = state_specs(local, axis)
+    sh, specs, layout = plan_onebit_zero(tx, params, mesh, stage=stage, axis=axis)
     glob = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs), params)
-    state_sh = to_shardings(specs, mesh)
-    replicated = NamedSharding(mesh, P())
     sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
-    opt_state = jax.tree.map(sds, glob, state_sh)
-    grads_sh = jax.tree.map(lambda _: replicated, params)
-    if stage == 3:
-        layout = FlatLayout.of(params, mesh.shape[axis],
-                               fused=len(state.mu) == 1 and len(jax.tree.leaves(params)) > 1)
-        chunk_sh = tuple(NamedSharding(mesh, P(axis)) for _ in layout.groups)
+    opt_state = jax.tree.map(sds, glob, sh.opt_state)
+    if layout is not None:
         chunks = tuple(jax.ShapeDtypeStruct((layout.world_size, layout.chunk(g)), layout._common_dtype(), sharding=s)
-                       for g, s in enumerate(chunk_sh))
-        abstract_params = FlatParams(chunks=chunks, layout=layout)
-        param_sh = FlatParams(chunks=chunk_sh, layout=layout)
-    else:
-        param_sh = jax.tree.map(lambda _: replicated, params)
-        abstract_params = jax.tree.map(sds, params, param_sh)
-    sh = ZeroShardings(params=param_sh, grads=grads_sh, opt_state=state_sh, stage=stage, axis=axis,
-                       offload_optimizer=False)
-    return abstract_params, opt_state, sh
+                       for g, s in enumerate(sh.params.chunks))
+        return FlatParams(chunks=chunks, layout=layout), opt_state, sh
+    return jax.tree.map(sds, params, sh.params), opt_state, sh

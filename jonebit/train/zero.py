@@ -31,12 +31,27 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jonebit.sharding.zero import OFFLOAD_MEMORY_KIND, ZeroShardings, check_stage, to_shardings, zero_specs
+from jonebit.sharding.zero import (
+    OFFLOAD_MEMORY_KIND,
+    ZeroShardings,
+    check_stage,
+    place_copy,
+    to_shardings,
+    zero_shardings,
+    zero_specs,
+)
+from jonebit.train.onebit_zero import (
+    abstract_onebit_zero,
+    find_onebit_state,
+    init_onebit_zero,
+    local_abstract_state,
+    make_onebit_zero_step,
+    uses_onebit,
+)
 
 P = PartitionSpec
 
@@ -89,32 +104,16 @@ def init_zero(
     """
     stage = check_stage(stage)
     init = _master_init(tx, master_dtype)
-    from jonebit.train.onebit_zero import find_onebit_state, init_onebit_zero, local_abstract_state
-
     if find_onebit_state(local_abstract_state(init, params, mesh)) is not None:
         if master_dtype is not None:
             raise ValueError("init_zero: master_dtype is not supported with the 1-bit optimizers (they keep float32 "
                              "moments and update the params' own dtype)")
         return init_onebit_zero(tx, params, mesh, stage=stage, axis=axis, offload_optimizer=offload_optimizer)
     abstract_state = jax.eval_shape(init, params)
-    from jonebit.sharding.zero import zero_shardings
-
     sh = zero_shardings(mesh, params, abstract_state, stage=stage, axis=axis, offload_optimizer=offload_optimizer)
     params = place_copy(params, sh.params)
     opt_state = jax.jit(init, out_shardings=sh.opt_state)(params)
     return params, opt_state, sh
-
-
-def place_copy(tree, shardings):
-    """``tree`` laid out by ``shardings``, always in new buffers.
-
-    The steps donate their inputs; ``jax.device_put`` from one device to a replicated sharding reuses the source
-    buffer on that device (even with ``may_alias=False`` on jax 0.10), so donating the result would delete the
-    caller's array. The ``device_put`` comes first so that arrays committed to other devices (e.g. one device)
-    can be placed at all; the jitted copy then gives the result its own buffers.
-    """
-    placed = jax.device_put(tree, shardings)
-    return jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)(placed)
 
 
 def _master_init(tx, master_dtype):
@@ -207,8 +206,6 @@ def make_zero_step(
 
     The step is one ``jax.jit``; the loss returned is the mean over all devices.
     """
-    from jonebit.train.onebit_zero import make_onebit_zero_step, uses_onebit
-
     if uses_onebit(shardings):
         if reduce_dtype is not None:
             raise ValueError("make_zero_step: the 1-bit optimizers do their own communication; drop reduce_dtype")
@@ -248,9 +245,6 @@ def make_zero_step(
 def abstract_zero(tx, params, mesh, *, stage: int, axis: str = "data", offload_optimizer: bool = False,
                   master_dtype=None):
     """``(params, opt_state, shardings)`` as ``jax.ShapeDtypeStruct`` trees: plan memory without allocating."""
-    from jonebit.sharding.zero import zero_shardings
-    from jonebit.train.onebit_zero import abstract_onebit_zero, find_onebit_state, local_abstract_state
-
     init = _master_init(tx, master_dtype)
     if find_onebit_state(local_abstract_state(init, params, mesh)) is not None:
         if offload_optimizer or master_dtype is not None:
@@ -265,6 +259,7 @@ def abstract_zero(tx, params, mesh, *, stage: int, axis: str = "data", offload_o
 __all__ = [
     "MasterWeightsState",
     "OFFLOAD_MEMORY_KIND",
+    "place_copy",
     "abstract_zero",
     "init_zero",
     "make_zero_grads",

@@ -47,7 +47,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jonebit.comm.backends import as_varying
-from jonebit.comm.compressed import _SCALE_BYTES, compressed_allreduce_rows, decode_rows, padded_size
+from jonebit.comm.compressed import _SCALE_BYTES, compressed_allreduce_rows_many, decode_rows, padded_size
 
 ZERO_STAGES = (1, 2, 3)
 
@@ -265,7 +265,7 @@ def zero_update(
 
     def compression(first: bool):
         def branch(_):
-            new_mu, new_nfull, new_rows, new_we, new_se, u_chunks, u_full = [], [], [], [], [], [], []
+            xs = []
             for g in range(ngroups):
                 n = layout.size(g)
                 if first:  # the momentum is still float32 chunks: gather it once
@@ -274,13 +274,14 @@ def zero_update(
                     m_prev = decode_rows(m_rows[g], n)
                     if mask_bufs is not None:
                         m_prev = m_prev * jnp.asarray(mask_bufs[g])[:n]
-                x = b1 * m_prev + (1.0 - b1) * g_flat[g][:n]
-                rows, we_g, se_g = compressed_allreduce_rows(backend, x, we[g][0], se[g][0])
-                if not error_feedback:
-                    we_g, se_g = jnp.zeros_like(we_g), jnp.zeros_like(se_g)
-                new_rows.append(rows)
-                new_we.append(we_g[None])
-                new_se.append(se_g[None])
+                xs.append(b1 * m_prev + (1.0 - b1) * g_flat[g][:n])
+            # One compressed allreduce per buffer, all sharing one all-to-all and one all-gather.
+            new_rows, new_we, new_se = compressed_allreduce_rows_many(
+                backend, xs, [e[0] for e in we], [e[0] for e in se])
+            if not error_feedback:
+                new_we, new_se = [jnp.zeros_like(e) for e in new_we], [jnp.zeros_like(e) for e in new_se]
+            new_mu, new_nfull, u_chunks, u_full = [], [], [], []
+            for g, rows in enumerate(new_rows):
                 m_own = decode_rows(lax.dynamic_index_in_dim(rows, r, keepdims=False))
                 if mask_bufs is not None:
                     m_own = m_own * mask_chunk(g)
@@ -294,6 +295,7 @@ def zero_update(
                     if mask_bufs is not None:
                         m_full = m_full * jnp.asarray(mask_bufs[g])
                     u_full.append(direction(m_full, v_full, p_flat[g]))
+            new_we, new_se = tuple(e[None] for e in new_we), tuple(e[None] for e in new_se)
             nf = tuple(new_nfull) if stage != 3 else nu_full
             return finish(u_chunks, tuple(u_full)), (tuple(new_mu), nu, nf, tuple(new_rows), tuple(new_we),
                                                      tuple(new_se))
