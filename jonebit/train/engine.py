@@ -1,0 +1,355 @@
+"""The engine's training step: gradient accumulation, mixed precision, loss scaling, skipped steps.
+
+One call of the step built by :func:`make_train_step` is one *optimizer* step, as in DeepSpeed:
+
+1. Inside ``jax.shard_map`` over the data axis, each rank splits its batch shard into
+   ``accumulation_steps`` micro-batches and runs forward/backward on each in a ``lax.scan`` (one micro-batch
+   in memory at a time). Parameters are kept in float32 (the master copy) and cast to ``compute_dtype`` for the
+   forward pass, so the backward pass runs in that dtype too; each micro-batch's gradient is converted to
+   float32 and summed. Nothing is communicated per micro-batch.
+2. With fp16 the loss is multiplied by the current loss scale before differentiation and the summed gradient
+   is divided by it (and by the number of micro-batches).
+3. **One scalar all-reduce** tells every rank whether any rank's gradient holds an inf or a NaN. If so the
+   step is skipped on every rank together: parameters and the whole optimizer state (moments, 1-bit error
+   buffers, the optimizer's own count) stay bit-identical, the skip is counted, and with dynamic loss scaling
+   the scale is cut. Otherwise the gradient goes to the optimizer: averaged first with ``grad_reduce="mean"``
+   (standard optax optimizers), or handed over as this rank's local gradient (``grad_reduce=None``: 1-bit
+   optimizers, which do their own communication).
+4. The loss scale follows DeepSpeed's ``DynamicLossScaler`` (see :class:`LossScaling`).
+
+The step returns the new :class:`TrainState` and a dict of scalar metrics (``loss``, ``grad_norm``,
+``loss_scale``, ``skipped``). The loop (:mod:`jonebit.train.loop`) decides what to do with skipped steps
+(count them, or raise with ``nonfinite="raise"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jonebit.transforms.onebit_adam import sharded_init
+
+__all__ = [
+    "LossScaleState",
+    "LossScaling",
+    "TrainState",
+    "init_train_state",
+    "make_train_step",
+    "train_state_specs",
+]
+
+_COMPUTE_DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
+_REDUCE = (None, "mean")
+
+
+class LossScaleState(NamedTuple):
+    """Dynamic loss-scale state (all scalars, replicated).
+
+    Attributes:
+      scale: the current loss scale (float32).
+      hysteresis: overflows still tolerated before the scale is cut (DeepSpeed's ``cur_hysteresis``).
+      since_overflow: DeepSpeed's ``cur_iter - last_overflow_iter``: 1 right after an overflow, +1 per step.
+    """
+
+    scale: jax.Array
+    hysteresis: jax.Array
+    since_overflow: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaling:
+    """fp16 loss scaling with DeepSpeed's rules (``deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler``).
+
+    On an overflow (a non-finite gradient on any rank) the step is skipped and, once ``hysteresis`` overflows
+    have been seen since the last reset, the scale is divided by ``scale_factor`` (never below ``min_scale``).
+    On a good step the scale is multiplied by ``scale_factor`` whenever the number of steps since the last
+    overflow is a multiple of ``scale_window`` (counting the overflow step itself; with no overflow yet, the
+    first doubling comes after ``scale_window`` good steps), and the hysteresis is restored at that point
+    (or on every good step with ``consecutive_hysteresis``).
+
+    With ``dynamic=False`` the scale stays at ``static_scale``; overflowing steps are still skipped.
+
+    Attributes:
+      dynamic: dynamic (DeepSpeed ``loss_scale: 0``) or static scaling.
+      initial_scale_power: the dynamic scale starts at ``2 ** initial_scale_power``.
+      scale_window: good steps between increases (``loss_scale_window``).
+      hysteresis: overflows tolerated before a decrease (DeepSpeed's ``delayed_shift``).
+      min_scale: lower bound of the dynamic scale (``min_loss_scale``).
+      static_scale: the scale when ``dynamic=False`` (DeepSpeed ``loss_scale > 0``).
+      scale_factor: factor of each increase/decrease.
+      consecutive_hysteresis: restore the hysteresis after every good step, not only at increases.
+    """
+
+    dynamic: bool = True
+    initial_scale_power: int = 16
+    scale_window: int = 1000
+    hysteresis: int = 2
+    min_scale: float = 1.0
+    static_scale: float = 1.0
+    scale_factor: float = 2.0
+    consecutive_hysteresis: bool = False
+
+    def __post_init__(self):
+        for name in ("dynamic", "consecutive_hysteresis"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"LossScaling.{name} must be a bool, got {getattr(self, name)!r}")
+        for name, low in (("scale_window", 1), ("hysteresis", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+                raise ValueError(f"LossScaling.{name} must be an int >= {low}, got {value!r}")
+        if isinstance(self.initial_scale_power, bool) or not isinstance(self.initial_scale_power, int | np.integer):
+            raise ValueError(f"LossScaling.initial_scale_power must be an int, got {self.initial_scale_power!r}")
+        if not 0 <= self.initial_scale_power <= 126:
+            raise ValueError(
+                f"LossScaling.initial_scale_power must be in [0, 126] (2**p must be a finite float32), "
+                f"got {self.initial_scale_power}"
+            )
+        for name in ("min_scale", "static_scale"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not np.isfinite(value) or value <= 0:
+                raise ValueError(f"LossScaling.{name} must be a finite number > 0, got {value!r}")
+        if not isinstance(self.scale_factor, int | float) or not self.scale_factor > 1:
+            raise ValueError(f"LossScaling.scale_factor must be a number > 1, got {self.scale_factor!r}")
+
+    def init(self) -> LossScaleState:
+        scale = float(2.0**self.initial_scale_power) if self.dynamic else float(self.static_scale)
+        return LossScaleState(
+            scale=jnp.asarray(scale, jnp.float32),
+            hysteresis=jnp.asarray(self.hysteresis, jnp.int32),
+            since_overflow=jnp.asarray(1, jnp.int32),
+        )
+
+    def update(self, state: LossScaleState, overflow: jax.Array) -> LossScaleState:
+        """The state after a step; ``overflow`` is a boolean scalar (the same on every rank)."""
+        if not self.dynamic:
+            return state
+        cut = (self.hysteresis == 1) | (state.hysteresis == 1)
+        down = LossScaleState(
+            scale=jnp.where(cut, jnp.maximum(state.scale / self.scale_factor, self.min_scale), state.scale),
+            hysteresis=jnp.where(cut, state.hysteresis, state.hysteresis - 1),
+            since_overflow=jnp.asarray(1, jnp.int32),
+        )
+        grow = state.since_overflow % self.scale_window == 0
+        restored = jnp.asarray(self.hysteresis, jnp.int32)
+        hyst = restored if self.consecutive_hysteresis else jnp.where(grow, restored, state.hysteresis)
+        up = LossScaleState(
+            scale=jnp.where(grow, state.scale * self.scale_factor, state.scale),
+            hysteresis=hyst,
+            since_overflow=state.since_overflow + 1,
+        )
+        return jax.tree.map(lambda d, u: jnp.where(overflow, d, u), down, up)
+
+
+class TrainState(NamedTuple):
+    """Everything a training step changes.
+
+    Attributes:
+      step: optimizer steps taken, skipped ones included (int32).
+      params: the float32 master parameters, replicated.
+      opt_state: the optimizer state (1-bit error buffers one row per rank, see :func:`jonebit.state_specs`).
+      loss_scale: the loss-scale state (present, and constant, also without fp16).
+      skipped: steps skipped for a non-finite gradient (int32).
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    loss_scale: LossScaleState
+    skipped: jax.Array
+
+
+def train_state_specs(opt_specs) -> TrainState:
+    """The ``shard_map`` specs of a :class:`TrainState` whose optimizer state has specs ``opt_specs``."""
+    rep = LossScaleState(P(), P(), P())
+    return TrainState(step=P(), params=P(), opt_state=opt_specs, loss_scale=rep, skipped=P())
+
+
+def _check_float_tree(params) -> None:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(
+                f"init_train_state: param {jax.tree_util.keystr(path)} has dtype {dtype}; the engine trains "
+                "floating-point leaves only (keep integer buffers out of the parameter tree)"
+            )
+
+
+def init_train_state(
+    tx: optax.GradientTransformation,
+    params,
+    mesh: jax.sharding.Mesh,
+    *,
+    loss_scaling: LossScaling | None = None,
+    axis: str = "data",
+) -> tuple[TrainState, TrainState]:
+    """``(state, specs)``: a fresh :class:`TrainState` on ``mesh`` and its ``shard_map`` specs.
+
+    The parameters are copied to float32 master weights (the caller's arrays are never donated or aliased).
+    """
+    _check_float_tree(params)
+    if axis not in mesh.shape:
+        raise ValueError(f"init_train_state: mesh has axes {tuple(mesh.shape)}, not the data axis {axis!r}")
+    replicated = jax.NamedSharding(mesh, P())
+    master = jax.jit(lambda t: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), t), out_shardings=replicated)(
+        params)
+    opt_state, opt_specs = sharded_init(tx, master, mesh, axis)
+    scaling = loss_scaling if loss_scaling is not None else LossScaling(dynamic=False, static_scale=1.0)
+    scalars = jax.device_put(
+        (jnp.zeros([], jnp.int32), scaling.init(), jnp.zeros([], jnp.int32)), replicated)
+    state = TrainState(step=scalars[0], params=master, opt_state=opt_state, loss_scale=scalars[1],
+                       skipped=scalars[2])
+    return state, train_state_specs(opt_specs)
+
+
+def _compute_dtype(dtype):
+    if dtype is None:
+        return jnp.float32
+    name = jnp.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if name not in _COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype must be one of {sorted(_COMPUTE_DTYPES)}, got {dtype!r}")
+    return _COMPUTE_DTYPES[name]
+
+
+def _global_norm_sq(tree) -> jax.Array:
+    return sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree))
+
+
+def make_train_step(
+    loss_fn: Callable[[Any, Any], Any],
+    tx: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh,
+    specs: TrainState,
+    *,
+    accumulation_steps: int = 1,
+    compute_dtype: Any = None,
+    loss_scaling: LossScaling | None = None,
+    grad_reduce: str | None = None,
+    axis: str = "data",
+    has_aux: bool = False,
+    donate: bool = True,
+):
+    """Builds ``step(state, batch) -> (state, metrics)``, jitted.
+
+    Args:
+      loss_fn: ``loss_fn(params, micro_batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``): the mean loss of a
+        micro-batch of this rank's shard; ``params`` arrive in ``compute_dtype``.
+      tx: the optimizer. With ``grad_reduce=None`` it receives each rank's local gradient and must communicate
+        itself (``jonebit.onebit_adam``); with ``"mean"`` it receives the gradient averaged over ranks.
+      mesh: mesh with the data axis ``axis``.
+      specs: the specs returned by :func:`init_train_state`.
+      accumulation_steps: micro-batches per optimizer step; the batch's leading dimension, per rank, must be a
+        multiple of it. Gradients are summed in float32 and averaged.
+      compute_dtype: ``float32`` (default), ``bfloat16`` or ``float16`` for the forward/backward pass.
+      loss_scaling: a :class:`LossScaling` (fp16); ``None`` means a constant scale of 1.
+      grad_reduce: ``None`` (local gradients to ``tx``) or ``"mean"`` (fp32 all-reduce first).
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; the aux pytree, averaged over micro-batches and ranks, is
+        returned in ``metrics["aux"]``.
+      donate: donate the state's buffers to the step.
+
+    Returns:
+      ``step(state, batch)``: ``batch`` is the global batch (leaves with a leading dimension of
+      ``ranks x accumulation_steps x micro-batch``), split over ``axis`` by the step. ``metrics`` holds
+      ``loss`` (mean over micro-batches and ranks, unscaled), ``grad_norm`` (of the averaged gradient with
+      ``grad_reduce="mean"``; with local gradients, the root mean square over ranks of the local norms),
+      ``loss_scale`` (the scale this step used) and ``skipped`` (bool).
+    """
+    if grad_reduce not in _REDUCE:
+        raise ValueError(f"grad_reduce must be one of {_REDUCE}, got {grad_reduce!r}")
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int | np.integer) \
+            or accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
+    if axis not in mesh.shape:
+        raise ValueError(f"mesh has axes {tuple(mesh.shape)}, not the data axis {axis!r}")
+    if not isinstance(specs, TrainState):
+        raise TypeError("specs must be the TrainState of specs returned by init_train_state(...)")
+    dtype = _compute_dtype(compute_dtype)
+    if loss_scaling is not None and not isinstance(loss_scaling, LossScaling):
+        raise TypeError(f"loss_scaling must be a LossScaling or None, got {type(loss_scaling).__name__}")
+    scaling = loss_scaling if loss_scaling is not None else LossScaling(dynamic=False, static_scale=1.0)
+    k = int(accumulation_steps)
+    ranks = mesh.shape[axis]
+
+    def micro_step(params, scale, micro):
+        def scaled(p):
+            out = loss_fn(jax.tree.map(lambda x: x.astype(dtype), p), micro)
+            loss, aux = out if has_aux else (out, None)
+            loss = jnp.asarray(loss, jnp.float32)
+            return loss * scale, (loss, aux)
+
+        (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+        return loss, aux, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+
+    def body(state: TrainState, batch):
+        local = lax.pcast(state.params, axis, to="varying")
+        scale = state.loss_scale.scale
+        micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+
+        def accumulate(g_sum, mb):
+            loss, aux, g = micro_step(local, scale, mb)
+            return jax.tree.map(jnp.add, g_sum, g), (loss, aux)
+
+        zeros = lax.pcast(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params), axis, to="varying")
+        # Per-micro-batch losses (and aux) come out stacked: k scalars, not k gradients.
+        g_sum, (losses, auxes) = lax.scan(accumulate, zeros, micro)
+        inv = 1.0 / (k * scale)
+        grads = jax.tree.map(lambda g: g * inv, g_sum)
+
+        # One scalar collective: does any rank hold a non-finite gradient?
+        local_bad = sum(jnp.any(~jnp.isfinite(g)).astype(jnp.int32) for g in jax.tree.leaves(grads))
+        overflow = lax.psum(local_bad, axis) > 0
+
+        if grad_reduce == "mean":
+            grads = lax.pmean(grads, axis)
+            grad_norm = jnp.sqrt(_global_norm_sq(grads))
+        else:
+            grad_norm = jnp.sqrt(lax.pmean(_global_norm_sq(grads), axis))
+
+        def apply(_):
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            return optax.apply_updates(state.params, updates), opt_state
+
+        def skip(_):
+            return state.params, state.opt_state
+
+        params, opt_state = lax.cond(overflow, skip, apply, None)
+        new = TrainState(
+            step=state.step + 1,
+            params=params,
+            opt_state=opt_state,
+            loss_scale=scaling.update(state.loss_scale, overflow),
+            skipped=state.skipped + overflow.astype(jnp.int32),
+        )
+        metrics = {
+            "loss": lax.pmean(jnp.mean(losses), axis),
+            "grad_norm": grad_norm,
+            "loss_scale": scale,
+            "skipped": overflow,
+        }
+        if has_aux:
+            metrics["aux"] = jax.tree.map(lambda a: lax.pmean(jnp.mean(jnp.asarray(a, jnp.float32), 0), axis), auxes)
+        return new, metrics
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()))
+    jitted = jax.jit(mapped, donate_argnums=(0,) if donate else ())
+    batch_sharding = jax.NamedSharding(mesh, P(axis))
+
+    def step(state: TrainState, batch):
+        for path, x in jax.tree_util.tree_leaves_with_path(batch):
+            shape = np.shape(x)
+            if len(shape) == 0 or shape[0] % (ranks * k):
+                raise ValueError(
+                    f"batch leaf {jax.tree_util.keystr(path)} has shape {tuple(shape)}: its leading dimension must "
+                    f"be a multiple of ranks x accumulation_steps = {ranks} x {k} = {ranks * k}"
+                )
+        return jitted(state, jax.device_put(batch, batch_sharding))
+
+    step.jitted = jitted
+    return step
