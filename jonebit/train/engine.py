@@ -234,6 +234,7 @@ def make_train_step(
     grad_reduce: str | None = None,
     axis: str = "data",
     has_aux: bool = False,
+    rng_seed: int | None = None,
     donate: bool = True,
 ):
     """Builds ``step(state, batch) -> (state, metrics)``, jitted.
@@ -252,6 +253,9 @@ def make_train_step(
       grad_reduce: ``None`` (local gradients to ``tx``) or ``"mean"`` (fp32 all-reduce first).
       has_aux: ``loss_fn`` returns ``(loss, aux)``; the aux pytree, averaged over micro-batches and ranks, is
         returned in ``metrics["aux"]``.
+      rng_seed: when given, ``loss_fn(params, micro_batch, rng)`` receives a PRNG key (dropout, masking) derived
+        from the seed, the optimizer step, the rank and the micro-batch index. It depends on nothing else, so a
+        run resumed from a checkpoint draws exactly the keys of an uninterrupted one.
       donate: donate the state's buffers to the step.
 
     Returns:
@@ -277,9 +281,13 @@ def make_train_step(
     k = int(accumulation_steps)
     ranks = mesh.shape[axis]
 
-    def micro_step(params, scale, micro):
+    if rng_seed is not None and (isinstance(rng_seed, bool) or not isinstance(rng_seed, int | np.integer)):
+        raise TypeError(f"rng_seed must be an int or None, got {rng_seed!r}")
+
+    def micro_step(params, scale, micro, rng):
         def scaled(p):
-            out = loss_fn(jax.tree.map(lambda x: x.astype(dtype), p), micro)
+            cast = jax.tree.map(lambda x: x.astype(dtype), p)
+            out = loss_fn(cast, micro) if rng is None else loss_fn(cast, micro, rng)
             loss, aux = out if has_aux else (out, None)
             loss = jnp.asarray(loss, jnp.float32)
             return loss * scale, (loss, aux)
@@ -292,13 +300,20 @@ def make_train_step(
         scale = state.loss_scale.scale
         micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
 
-        def accumulate(g_sum, mb):
-            loss, aux, g = micro_step(local, scale, mb)
+        if rng_seed is None:
+            rng = None
+        else:
+            rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(int(rng_seed)), state.step),
+                                     lax.axis_index(axis))
+
+        def accumulate(g_sum, xs):
+            mb, i = xs
+            loss, aux, g = micro_step(local, scale, mb, None if rng is None else jax.random.fold_in(rng, i))
             return jax.tree.map(jnp.add, g_sum, g), (loss, aux)
 
         zeros = lax.pcast(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params), axis, to="varying")
         # Per-micro-batch losses (and aux) come out stacked: k scalars, not k gradients.
-        g_sum, (losses, auxes) = lax.scan(accumulate, zeros, micro)
+        g_sum, (losses, auxes) = lax.scan(accumulate, zeros, (micro, jnp.arange(k)))
         inv = 1.0 / (k * scale)
         grads = jax.tree.map(lambda g: g * inv, g_sum)
 
@@ -351,5 +366,19 @@ def make_train_step(
                 )
         return jitted(state, jax.device_put(batch, batch_sharding))
 
+    def tx_report(state: TrainState):
+        """The optimizer's own collectives (per stage branch), from its compiled update alone."""
+        from jonebit.comm.accounting import comm_report
+        from jonebit.train.data_parallel import make_update
+
+        update = make_update(tx, mesh, specs.opt_state, axis=axis, grad_reduce=None)
+        stacked = jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct((ranks, *p.shape), jnp.float32, sharding=batch_sharding), state.params)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                (state.params, state.opt_state))
+        return comm_report(update.lower(*abstract, stacked).compile().as_text(), mesh.size)
+
     step.jitted = jitted
+    # With grad_reduce="mean" the optimizer is a local computation; its only traffic is the engine's own.
+    step.tx_report = tx_report if grad_reduce is None else None
     return step

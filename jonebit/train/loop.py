@@ -1,0 +1,449 @@
+"""The training loop: checkpoints that resume exactly, metrics, progress.
+
+:func:`train` runs a step built by :func:`jonebit.train.engine.make_train_step` until ``max_steps``:
+
+* **checkpoints** with orbax's ``CheckpointManager`` every ``checkpoint_every`` steps (asynchronously, the last
+  ``keep_checkpoints`` kept), at the end, and when the process receives SIGTERM or SIGINT (the step in flight
+  finishes, a checkpoint is written, then :class:`Preempted` is raised). A checkpoint holds the whole
+  :class:`~jonebit.train.engine.TrainState` (params, optimizer state with the per-rank 1-bit error buffers, step,
+  skip count, loss-scale state) and, as JSON, the data iterator's position and the world size. The engine's random
+  keys are derived from the step, so restoring these gives bit-identical continuation.
+* **metrics**: one JSON line per logged step in ``OUTPUT/metrics.jsonl`` (``step``, ``loss``, ``lr``,
+  ``loss_scale``, ``skipped``, ``grad_norm``, ``stage``, ``bytes_sent``, ``tokens_per_s``, ``seconds``, and any
+  ``aux`` scalars; ``seconds`` is the mean wall time per step since the previous line, the first line
+  includes compilation), the same scalars as TensorBoard event files in ``OUTPUT/tensorboard`` (tensorboardX), a tqdm
+  bar, and a console line every ``steps_per_print`` steps.
+* **non-finite steps**: the engine skips them on every rank; ``nonfinite="raise"`` stops the run instead, with
+  the step number (checked every step, which costs one device-to-host sync per step).
+
+``bytes_sent`` is this rank's collective traffic for the step, read once from the compiled programs
+(:mod:`jonebit.comm.accounting`): the engine's own collectives plus the optimizer's collectives of the stage the
+step ran in (1-bit optimizers: ``"warmup"`` or ``"compression"``, from the optimizer's update count and
+``freeze_step``; other optimizers: ``"full"``; skipped steps: ``"skipped"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import pathlib
+import signal
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jonebit.train.engine import TrainState
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ArrayBatches", "LoopConfig", "Preempted", "ResumableIterator", "train"]
+
+
+class ResumableIterator(Protocol):
+    """A batch iterator whose position can be saved and restored (JSON-serialisable)."""
+
+    def __next__(self) -> Any: ...
+
+    def get_state(self) -> dict: ...
+
+    def set_state(self, state: dict) -> None: ...
+
+
+class ArrayBatches:
+    """Global batches drawn from in-memory arrays, reshuffled each epoch from ``seed`` (deterministic).
+
+    Args:
+      arrays: a dict of arrays with the same leading dimension (the examples).
+      batch_size: global batch size (examples per optimizer step, all ranks and micro-batches together).
+      seed: shuffling seed; epoch ``e`` uses the permutation of ``default_rng([seed, e])``.
+      shuffle: shuffle each epoch (``False``: the stored order).
+
+    The position is ``(epoch, index)``; incomplete final batches of an epoch are dropped.
+    """
+
+    def __init__(self, arrays: dict[str, np.ndarray], batch_size: int, *, seed: int = 0, shuffle: bool = True):
+        if not isinstance(arrays, dict) or not arrays:
+            raise ValueError("ArrayBatches: arrays must be a non-empty dict of arrays")
+        sizes = {k: len(v) for k, v in arrays.items()}
+        if len(set(sizes.values())) != 1:
+            raise ValueError(f"ArrayBatches: arrays have different lengths {sizes}")
+        self.n = next(iter(sizes.values()))
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= self.n:
+            raise ValueError(f"ArrayBatches: batch_size must be an int in [1, {self.n}] (the examples), "
+                             f"got {batch_size!r}")
+        self.arrays, self.batch_size, self.seed, self.shuffle = arrays, batch_size, int(seed), shuffle
+        self.epoch, self.index = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.n)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n)
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if self.index + self.batch_size > self.n:
+            self.epoch, self.index = self.epoch + 1, 0
+            self._order = self._permutation(self.epoch)
+        rows = self._order[self.index:self.index + self.batch_size]
+        self.index += self.batch_size
+        return {k: np.asarray(v[rows]) for k, v in self.arrays.items()}
+
+    def get_state(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "n": self.n,
+                "batch_size": self.batch_size}
+
+    def set_state(self, state: dict) -> None:
+        for key in ("seed", "n", "batch_size"):
+            if state.get(key) != getattr(self, key):
+                raise ValueError(
+                    f"ArrayBatches: the checkpoint's data position was saved with {key}={state.get(key)!r}, this "
+                    f"iterator has {key}={getattr(self, key)!r}; resume with the same data and batch size"
+                )
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self._order = self._permutation(self.epoch)
+
+
+class Preempted(RuntimeError):
+    """Raised by :func:`train` after it saved a checkpoint on SIGTERM/SIGINT."""
+
+
+class NonFiniteStep(FloatingPointError):
+    """Raised by :func:`train` with ``nonfinite="raise"`` when a step had a non-finite gradient."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """What :func:`train` does around the step.
+
+    Attributes:
+      output_dir: run directory: ``checkpoints/``, ``metrics.jsonl``, ``tensorboard/``.
+      max_steps: optimizer steps to reach (a resumed run continues up to it).
+      checkpoint_every: steps between checkpoints (0: only at the end and on a signal).
+      keep_checkpoints: how many recent checkpoints to keep.
+      log_every: steps between metrics lines (each costs one device-to-host copy of a few scalars).
+      steps_per_print: steps between console lines (DeepSpeed's ``steps_per_print``; 0: none).
+      nonfinite: ``"skip"`` (count skipped steps and go on) or ``"raise"``.
+      async_checkpoint: write checkpoints in the background while training continues.
+      progress_bar: show a tqdm bar.
+      tensorboard: write TensorBoard event files.
+      freeze_step: the 1-bit optimizer's ``freeze_step`` (names the stage in the metrics); ``None`` for others.
+      tokens_per_example: multiplies examples/s into ``tokens_per_s`` (e.g. the sequence length).
+    """
+
+    output_dir: str | pathlib.Path
+    max_steps: int
+    checkpoint_every: int = 1000
+    keep_checkpoints: int = 3
+    log_every: int = 1
+    steps_per_print: int = 10
+    nonfinite: str = "skip"
+    async_checkpoint: bool = True
+    progress_bar: bool = True
+    tensorboard: bool = True
+    freeze_step: int | None = None
+    tokens_per_example: int = 1
+
+    def __post_init__(self):
+        for name, low in (("max_steps", 1), ("checkpoint_every", 0), ("keep_checkpoints", 1), ("log_every", 1),
+                          ("steps_per_print", 0), ("tokens_per_example", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+                raise ValueError(f"LoopConfig.{name} must be an int >= {low}, got {value!r}")
+        if self.freeze_step is not None and (isinstance(self.freeze_step, bool) or not isinstance(
+                self.freeze_step, int | np.integer) or self.freeze_step < 1):
+            raise ValueError(f"LoopConfig.freeze_step must be an int >= 1 or None, got {self.freeze_step!r}")
+        if self.nonfinite not in ("skip", "raise"):
+            raise ValueError(f"LoopConfig.nonfinite must be 'skip' or 'raise', got {self.nonfinite!r}")
+        for name in ("async_checkpoint", "progress_bar", "tensorboard"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"LoopConfig.{name} must be a bool, got {getattr(self, name)!r}")
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _world_size(state: TrainState) -> int:
+    return int(jax.tree.leaves(state.params)[0].sharding.mesh.size)
+
+
+class _Checkpoints:
+    """orbax CheckpointManager of ``TrainState`` + JSON (data position, world size)."""
+
+    def __init__(self, directory: pathlib.Path, config: LoopConfig):
+        import orbax.checkpoint as ocp
+        from orbax.checkpoint import checkpoint_managers as policies
+
+        self.ocp = ocp
+        self.manager = ocp.CheckpointManager(
+            directory.absolute(),
+            options=ocp.CheckpointManagerOptions(
+                enable_async_checkpointing=config.async_checkpoint,
+                preservation_policy=policies.LatestN(config.keep_checkpoints),
+                cleanup_tmp_directories=True,
+                create=True,
+            ),
+        )
+
+    def latest(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, state: TrainState, meta: dict) -> None:
+        if step in self.manager.all_steps():
+            return
+        ocp = self.ocp
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                        meta=ocp.args.JsonSave(meta)), force=True)
+
+    def restore(self, step: int, target: TrainState) -> tuple[TrainState, dict]:
+        ocp = self.ocp
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        saved, current = meta.get("world_size"), _world_size(target)
+        if saved != current:
+            raise ValueError(
+                f"checkpoint step {step} in {self.manager.directory} was written by {saved} data-parallel ranks, this "
+                f"run has {current}: the engine resumes on the same world size only (the 1-bit error buffers and "
+                "the data position are per rank). Restart on the original device count, or restore the parameters "
+                "alone with jonebit.train.checkpoint"
+            )
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(target))))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"checkpoint step {step} in {self.manager.directory} does not fit this run's model/optimizer "
+                f"state: {e}") from e
+        return out["state"], meta
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def _stage_bytes(step, state: TrainState, batch) -> dict[str, float]:
+    """This rank's collective bytes per stage, read from the compiled programs."""
+    from jonebit.comm.accounting import comm_report
+
+    jitted = getattr(step, "jitted", None)
+    if jitted is None:
+        return {}
+    mesh = jax.tree.leaves(state.params)[0].sharding.mesh
+    report = comm_report(jitted.lower(state, batch).compile().as_text(), mesh.size)
+    # The engine's own collectives run every step; the skip conditional's apply branch holds the optimizer's.
+    base = report.always_bytes
+    out = {"skipped": base, "full": base}
+    tx_report = getattr(step, "tx_report", None)
+    if tx_report is not None:
+        tx_report = tx_report(state)
+        if tx_report.branches:
+            out["warmup"] = base + tx_report.branch_bytes(1)
+            out["compression"] = base + tx_report.branch_bytes(0)
+        out["full"] = base + tx_report.always_bytes
+    return out
+
+
+def _scalar(x) -> float | bool:
+    x = np.asarray(x)
+    return bool(x) if x.dtype == np.bool_ else float(x)
+
+
+def _flatten_aux(aux, prefix="aux") -> dict[str, float]:
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(aux):
+        if np.ndim(leaf) == 0:
+            name = prefix + "/" + "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+            out[name] = float(leaf)
+    return out
+
+
+def train(
+    step: Callable,
+    state: TrainState,
+    batches: ResumableIterator,
+    config: LoopConfig,
+    *,
+    lr_schedule: Callable[[int], float] | float | None = None,
+    resume: bool = True,
+    on_log: Callable[[dict], None] | None = None,
+) -> TrainState:
+    """Trains until ``config.max_steps``; returns the final state.
+
+    Args:
+      step: from :func:`jonebit.train.engine.make_train_step`.
+      state: the initial state (from :func:`~jonebit.train.engine.init_train_state`); with ``resume`` and a
+        checkpoint in ``output_dir``, it only serves as the restore target (shapes, dtypes, shardings).
+      batches: a :class:`ResumableIterator` of global batches.
+      config: a :class:`LoopConfig`.
+      lr_schedule: the learning rate as a function of the optimizer's update count (for the metrics only).
+      resume: continue from the latest checkpoint in ``output_dir/checkpoints`` if there is one.
+      on_log: called with each metrics record (e.g. for evaluation hooks).
+    """
+    if not isinstance(config, LoopConfig):
+        raise TypeError(f"config must be a LoopConfig, got {type(config).__name__}")
+    if not isinstance(state, TrainState):
+        raise TypeError(f"state must be the TrainState from init_train_state, got {type(state).__name__}")
+    for name in ("get_state", "set_state", "__next__"):
+        if not callable(getattr(batches, name, None)):
+            raise TypeError(f"batches must be a resumable iterator (with __next__, get_state, set_state); "
+                            f"{type(batches).__name__} has no {name}()")
+    out = pathlib.Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = _Checkpoints(out / "checkpoints", config)
+    lead = jax.process_index() == 0
+
+    start = 0
+    if resume and (latest := ckpt.latest()) is not None:
+        state, meta = ckpt.restore(latest, state)
+        batches.set_state(meta["data"])
+        start = int(meta["step"])
+        log.info("resumed from %s at step %d", out / "checkpoints", start)
+    elif not resume and ckpt.latest() is not None:
+        raise FileExistsError(
+            f"{out / 'checkpoints'} already holds checkpoints (latest step {ckpt.latest()}); pass resume=True to "
+            "continue that run, or choose another output directory"
+        )
+    metrics_path = out / "metrics.jsonl"
+    if lead:
+        _truncate_metrics(metrics_path, start)
+
+    writer = None
+    if config.tensorboard and lead:
+        from tensorboardX import SummaryWriter
+
+        writer = SummaryWriter(str(out / "tensorboard"), purge_step=start + 1 if start else None)
+
+    stop = {"signal": None}
+
+    def on_signal(signum, _frame):
+        stop["signal"] = signum
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    bar = None
+    try:
+        if start >= config.max_steps:
+            return state
+        if config.progress_bar and lead:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=config.max_steps, initial=start, unit="step", dynamic_ncols=True)
+        stage_bytes = None
+        t_last, examples, logged = time.perf_counter(), 0, start
+        for i in range(start, config.max_steps):
+            batch = next(batches)
+            if stage_bytes is None:
+                stage_bytes = _stage_bytes(step, state, jax.device_put(batch, _batch_sharding(state)))
+            examples += len(next(iter(jax.tree.leaves(batch))))
+            state, metrics = step(state, batch)
+            n = i + 1
+            if config.nonfinite == "raise" and bool(metrics["skipped"]):
+                ckpt.wait()
+                raise NonFiniteStep(
+                    f"step {n}: a rank's gradient held an inf or a NaN (the step was not applied). With "
+                    "nonfinite='skip' such steps are skipped and counted instead"
+                )
+            if n % config.log_every == 0 or n == config.max_steps:
+                elapsed = max(time.perf_counter() - t_last, 1e-9)
+                record = _record(n, state, metrics, config, lr_schedule, stage_bytes, examples / elapsed,
+                                 elapsed / (n - logged))
+                t_last, examples, logged = time.perf_counter(), 0, n
+                if lead:
+                    with metrics_path.open("a") as f:
+                        f.write(json.dumps(record) + "\n")
+                    if writer is not None:
+                        for key, value in record.items():
+                            if key not in ("step", "stage") and isinstance(value, int | float):
+                                writer.add_scalar(f"train/{key}", float(value), n)
+                    if config.steps_per_print and n % config.steps_per_print == 0 and bar is not None:
+                        bar.write(_console(record))
+                    elif config.steps_per_print and n % config.steps_per_print == 0:
+                        print(_console(record), flush=True)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.3g}", stage=record["stage"])
+                if on_log is not None:
+                    on_log(record)
+            if bar is not None:
+                bar.update(1)
+            if (config.checkpoint_every and n % config.checkpoint_every == 0) or n == config.max_steps \
+                    or stop["signal"] is not None:
+                ckpt.save(n, state, {"step": n, "data": batches.get_state(), "world_size": _world_size(state)})
+            if stop["signal"] is not None:
+                ckpt.wait()
+                raise Preempted(f"stopped by {signal.Signals(stop['signal']).name} after step {n}; checkpoint "
+                                f"written to {out / 'checkpoints'}, run again to resume")
+        ckpt.wait()
+        return state
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        if bar is not None:
+            bar.close()
+        if writer is not None:
+            writer.close()
+        ckpt.close()
+
+
+def _batch_sharding(state: TrainState):
+    mesh = jax.tree.leaves(state.params)[0].sharding.mesh
+    return jax.NamedSharding(mesh, P(mesh.axis_names[0]))
+
+
+def _truncate_metrics(path: pathlib.Path, step: int) -> None:
+    """Drops lines past ``step`` (written after the checkpoint a resumed run starts from)."""
+    if not path.exists():
+        return
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    keep = []
+    for ln in lines:
+        try:
+            if json.loads(ln)["step"] <= step:
+                keep.append(ln)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a line cut by a kill
+    path.write_text("".join(k + "\n" for k in keep))
+
+
+def _record(n, state, metrics, config, lr_schedule, stage_bytes, examples_per_s, seconds_per_step) -> dict:
+    m = jax.device_get(metrics)
+    skipped = bool(m["skipped"])
+    count = int(jax.device_get(state.step - state.skipped)) - (0 if skipped else 1)  # updates before this step
+    if skipped:
+        stage = "skipped"
+    elif config.freeze_step is None:
+        stage = "full"
+    else:
+        stage = "warmup" if count < config.freeze_step else "compression"
+    if callable(lr_schedule):
+        lr = float(lr_schedule(count))
+    else:
+        lr = float(lr_schedule) if lr_schedule is not None else math.nan
+    record = {
+        "step": n,
+        "loss": float(m["loss"]),
+        "lr": lr,
+        "loss_scale": float(m["loss_scale"]),
+        "skipped": skipped,
+        "grad_norm": float(m["grad_norm"]),
+        "stage": stage,
+        "bytes_sent": float(stage_bytes.get(stage, stage_bytes.get("full", math.nan))) if stage_bytes else math.nan,
+        "tokens_per_s": examples_per_s * config.tokens_per_example,
+        "seconds": seconds_per_step,
+    }
+    if "aux" in m:
+        record.update(_flatten_aux(m["aux"]))
+    return record
+
+
+def _console(r: dict) -> str:
+    return (f"step {r['step']}: loss {r['loss']:.4f} lr {r['lr']:.3g} stage {r['stage']} "
+            f"grad_norm {r['grad_norm']:.3g} loss_scale {r['loss_scale']:g} tokens/s {r['tokens_per_s']:.0f}")
+

@@ -1,0 +1,210 @@
+"""jonebit.train.loop: exact resume after SIGKILL and SIGTERM, metrics, checkpoints kept, bad inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from jonebit.sharding.mesh import data_mesh
+from jonebit.train.engine import init_train_state, make_train_step
+from jonebit.train.loop import ArrayBatches, LoopConfig, NonFiniteStep, Preempted, train
+from tests.train import loop_model
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+WORKER = pathlib.Path(__file__).with_name("loop_worker.py")
+
+
+def _leaves(state):
+    return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state))]
+
+
+def _worker(out, max_steps, every, sleep, result):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, str(WORKER), str(out), str(max_steps), str(every), str(sleep),
+                             str(result)], env=env, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc, timeout=300):
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 0, out
+    return out
+
+
+def _committed_steps(ckpt_dir: pathlib.Path) -> list[int]:
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit())
+
+
+def _logged_steps(run: pathlib.Path) -> list[int]:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    steps = []
+    for line in path.read_text().splitlines():
+        try:
+            steps.append(json.loads(line)["step"])
+        except (json.JSONDecodeError, KeyError):
+            pass
+    return steps
+
+
+@pytest.mark.multiprocess
+def test_sigkill_then_resume_is_bitwise_identical(tmp_path):
+    max_steps = 12
+    clean = _worker(tmp_path / "clean", max_steps, 4, 0.0, tmp_path / "clean.npz")
+    _finish(clean)
+
+    run = tmp_path / "killed"
+    proc = _worker(run, max_steps, 4, 0.4, tmp_path / "unused.npz")
+    deadline = time.time() + 240
+    try:
+        # Kill after the step-4 checkpoint is committed and a few more steps ran (not at a checkpoint boundary).
+        while not (4 in _committed_steps(run / "checkpoints") and max(_logged_steps(run) or [0]) >= 6):
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.time() < deadline, "the worker made no progress"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    killed_at = max(_logged_steps(run))
+    assert 6 <= killed_at < max_steps
+    resumed = _worker(run, max_steps, 4, 0.0, tmp_path / "resumed.npz")
+    _finish(resumed)
+
+    a, b = np.load(tmp_path / "clean.npz"), np.load(tmp_path / "resumed.npz")
+    assert len(a.files) == len(b.files) > 5
+    for key in a.files:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    # metrics.jsonl holds every step once: lines written after the checkpoint were replaced on resume.
+    assert _logged_steps(run) == list(range(1, max_steps + 1))
+    assert _committed_steps(run / "checkpoints") == [4, 8, 12][-3:]
+
+
+def test_sigterm_checkpoints_and_resumes_exactly(tmp_path):
+    step, state, batches, config = loop_model.make_run(tmp_path / "ref", max_steps=9, checkpoint_every=0)
+    ref = train(step, state, batches, config)
+
+    step, state, batches, config = loop_model.make_run(tmp_path / "run", max_steps=9, checkpoint_every=0)
+
+    def term_at_5(record):
+        if record["step"] == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(Preempted, match=r"stopped by SIGTERM after step 5; checkpoint written"):
+        train(step, state, batches, config, on_log=term_at_5)
+    assert _committed_steps(tmp_path / "run" / "checkpoints") == [5]
+    step, state, batches, config = loop_model.make_run(tmp_path / "run", max_steps=9, checkpoint_every=0)
+    final = train(step, state, batches, config)
+    for x, y in zip(_leaves(ref), _leaves(final), strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler was put back
+
+
+def test_metrics_stages_bytes_and_tensorboard(tmp_path):
+    step, state, batches, config = loop_model.make_run(tmp_path, max_steps=6, checkpoint_every=2,
+                                                       keep_checkpoints=2)
+    train(step, state, batches, config, lr_schedule=lambda count: 1e-2)
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    keys = {"step", "loss", "lr", "loss_scale", "skipped", "grad_norm", "stage", "bytes_sent", "tokens_per_s",
+            "seconds"}
+    assert keys <= set(records[0])
+    assert [r["stage"] for r in records] == ["warmup"] * 3 + ["compression"] * 3  # freeze_step = 3
+    warm, comp = records[0]["bytes_sent"], records[-1]["bytes_sent"]
+    n = sum(x.size for x in jax.tree.leaves(loop_model.params0()))
+    # Warmup: an fp32 all-reduce of the n gradients (ring: 2 (P-1)/P x 4n bytes) dominates.
+    assert warm >= 2 * 7 / 8 * 4 * n
+    assert comp < warm / 4
+    assert all(r["lr"] == 1e-2 and not r["skipped"] for r in records)
+    assert _committed_steps(tmp_path / "checkpoints") == [4, 6]  # keep_checkpoints=2
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 200
+
+
+def test_nonfinite_raise(tmp_path):
+    mesh = data_mesh()
+    tx = optax.sgd(0.1)
+    state, specs = init_train_state(tx, loop_model.params0(), mesh)
+    step = make_train_step(loop_model.loss_fn, tx, mesh, specs, grad_reduce="mean", rng_seed=0)
+    d = loop_model.data()
+    d["x"][40] = np.nan
+    batches = ArrayBatches(d, batch_size=32, shuffle=False)  # the NaN row is in the second batch
+    config = LoopConfig(tmp_path, max_steps=3, progress_bar=False, tensorboard=False, nonfinite="raise")
+    with pytest.raises(NonFiniteStep, match=r"step 2: a rank's gradient held an inf or a NaN"):
+        train(step, state, batches, config)
+
+
+def test_array_batches_deterministic_and_resumable():
+    d = loop_model.data(10)
+    a = ArrayBatches(d, batch_size=4, seed=5)
+    seq = [next(a)["x"] for _ in range(7)]  # 2 batches per epoch (10 // 4), 3.5 epochs
+    b = ArrayBatches(d, batch_size=4, seed=5)
+    for _ in range(3):
+        next(b)
+    saved = b.get_state()
+    c = ArrayBatches(d, batch_size=4, seed=5)
+    c.set_state(saved)
+    for i in range(3, 7):
+        np.testing.assert_array_equal(next(c)["x"], seq[i])
+    epoch0 = np.concatenate(seq[:2])
+    assert len({tuple(r) for r in epoch0.round(6).tolist()}) == 8  # no repeats inside an epoch
+    assert not np.array_equal(seq[0], seq[2])  # reshuffled per epoch
+
+
+def _bad_loop_inputs(tmp_path):
+    step, state, batches, config = loop_model.make_run(tmp_path / "a", max_steps=2, checkpoint_every=0)
+    return [
+        ("max_steps", lambda: LoopConfig(tmp_path, max_steps=0), ValueError,
+         r"LoopConfig.max_steps must be an int >= 1"),
+        ("every", lambda: LoopConfig(tmp_path, max_steps=2, checkpoint_every=-1), ValueError, r"checkpoint_every"),
+        ("nonfinite", lambda: LoopConfig(tmp_path, max_steps=2, nonfinite="ignore"), ValueError,
+         r"nonfinite must be 'skip' or 'raise', got 'ignore'"),
+        ("freeze", lambda: LoopConfig(tmp_path, max_steps=2, freeze_step=0), ValueError, r"freeze_step must be"),
+        ("bool flag", lambda: LoopConfig(tmp_path, max_steps=2, tensorboard="yes"), TypeError,
+         r"LoopConfig.tensorboard must be a bool"),
+        ("config type", lambda: train(step, state, batches, {"max_steps": 2}), TypeError,
+         r"config must be a LoopConfig"),
+        ("state type", lambda: train(step, state.params, batches, config), TypeError,
+         r"state must be the TrainState"),
+        ("iterator", lambda: train(step, state, iter([]), config), TypeError, r"batches must be a resumable iterator"),
+        ("batch size", lambda: ArrayBatches(loop_model.data(8), batch_size=9), ValueError,
+         r"batch_size must be an int in \[1, 8\]"),
+        ("lengths", lambda: ArrayBatches({"x": np.zeros(3), "y": np.zeros(4)}, 2), ValueError, r"different lengths"),
+        ("position", lambda: ArrayBatches(loop_model.data(8), 2).set_state({"seed": 1, "n": 8, "batch_size": 2}),
+         ValueError, r"saved with seed=1, this iterator has seed=0"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(11))
+def test_bad_loop_inputs(tmp_path, case):
+    name, call, exc, pattern = _bad_loop_inputs(tmp_path)[case]
+    with pytest.raises(exc, match=pattern):
+        call()
+
+
+def test_refuses_existing_run_without_resume_and_other_world_size(tmp_path):
+    step, state, batches, config = loop_model.make_run(tmp_path, max_steps=2, checkpoint_every=0)
+    train(step, state, batches, config)
+    step, state, batches, config = loop_model.make_run(tmp_path, max_steps=4, checkpoint_every=0)
+    with pytest.raises(FileExistsError, match=r"already holds checkpoints \(latest step 2\); pass resume=True"):
+        train(step, state, batches, config, resume=False)
+    step, state, batches, config = loop_model.make_run(tmp_path, max_steps=4, checkpoint_every=0,
+                                                       mesh=data_mesh(4))
+    with pytest.raises(ValueError, match=r"written by 8 data-parallel ranks, this run has 4"):
+        train(step, state, batches, config)
