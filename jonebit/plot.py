@@ -8,7 +8,6 @@ panel per evaluation metric present (keys starting with ``eval/``). Needs matplo
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 import sys
