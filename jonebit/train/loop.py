@@ -63,11 +63,16 @@ class ArrayBatches:
       batch_size: global batch size (examples per optimizer step, all ranks and micro-batches together).
       seed: shuffling seed; epoch ``e`` uses the permutation of ``default_rng([seed, e])``.
       shuffle: shuffle each epoch (``False``: the stored order).
+      collate: turns the selected rows (a dict of arrays) into the batch (e.g. padding masks, label arrays).
+      shard: ``(process_index, process_count)``: each process of a multi-host job reads only its contiguous
+        ``batch_size / process_count`` rows of every global batch (all processes draw the same permutation).
 
-    The position is ``(epoch, index)``; incomplete final batches of an epoch are dropped.
+    The position is ``(epoch, index)``; incomplete final batches of an epoch are dropped. ``arrays`` may be
+    memory-mapped: only the rows of each batch are read.
     """
 
-    def __init__(self, arrays: dict[str, np.ndarray], batch_size: int, *, seed: int = 0, shuffle: bool = True):
+    def __init__(self, arrays: dict[str, np.ndarray], batch_size: int, *, seed: int = 0, shuffle: bool = True,
+                 collate: Callable[[dict], Any] | None = None, shard: tuple[int, int] = (0, 1)):
         if not isinstance(arrays, dict) or not arrays:
             raise ValueError("ArrayBatches: arrays must be a non-empty dict of arrays")
         sizes = {k: len(v) for k, v in arrays.items()}
@@ -77,7 +82,14 @@ class ArrayBatches:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or not 1 <= batch_size <= self.n:
             raise ValueError(f"ArrayBatches: batch_size must be an int in [1, {self.n}] (the examples), "
                              f"got {batch_size!r}")
+        index, count = shard
+        if not (isinstance(count, int) and count >= 1 and isinstance(index, int) and 0 <= index < count):
+            raise ValueError(f"ArrayBatches: shard must be (process_index, process_count) with 0 <= index < count, "
+                             f"got {shard!r}")
+        if batch_size % count:
+            raise ValueError(f"ArrayBatches: batch_size {batch_size} is not divisible by the {count} processes")
         self.arrays, self.batch_size, self.seed, self.shuffle = arrays, batch_size, int(seed), shuffle
+        self.collate, self.shard = collate, (index, count)
         self.epoch, self.index = 0, 0
         self._order = self._permutation(0)
 
@@ -95,7 +107,11 @@ class ArrayBatches:
             self._order = self._permutation(self.epoch)
         rows = self._order[self.index:self.index + self.batch_size]
         self.index += self.batch_size
-        return {k: np.asarray(v[rows]) for k, v in self.arrays.items()}
+        index, count = self.shard
+        per = self.batch_size // count
+        rows = rows[index * per:(index + 1) * per]
+        batch = {k: np.asarray(v[rows]) for k, v in self.arrays.items()}
+        return self.collate(batch) if self.collate is not None else batch
 
     def get_state(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "n": self.n,
