@@ -8,8 +8,8 @@ The instances follow Google's ``create_pretraining_data.py``:
   probability ``short_seq_prob`` a shorter random target, so the model also sees short inputs). A chunk is split
   at a random sentence boundary into A and B; with probability 0.5 (always when the chunk has one sentence) B is
   replaced by text from a random *other* document (``is_random_next``, label 1) and the unused sentences go back
-  to the document (so short documents give somewhat more than half random pairs); the pair is trimmed to fit, one token at a time from the longer side, at its front or its
-  back at random;
+  to the document (so short documents give somewhat more than half random pairs); the pair is trimmed to fit,
+  one token at a time from the longer side, at its front or its back at random;
 * ``[CLS] A [SEP] B [SEP]`` with token types 0 for ``[CLS] A [SEP]`` and 1 for ``B [SEP]``;
 * masking: ``min(max_predictions_per_seq, max(1, round(len * masked_lm_prob)))`` positions (never ``[CLS]`` or
   ``[SEP]``), chosen in random order among words (whole-word masking: a word and its ``##`` pieces together) or
