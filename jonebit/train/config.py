@@ -593,8 +593,8 @@ def _parse_fp16(raw: Mapping) -> FP16Config:
     _check_keys(raw, "fp16", fields, _FP16_IGNORED)
     config = FP16Config(**{k: parse(raw[k], f"fp16.{k}") for k, parse in fields.items() if k in raw})
     if config.initial_scale_power > 64:
-        raise ConfigError("fp16.initial_scale_power", f"expected at most 64 (2**64 already overflows any fp16 "
-                          f"gradient), got {config.initial_scale_power}")
+        raise ConfigError("fp16.initial_scale_power", f"expected at most 64, got {config.initial_scale_power} "
+                          "(a scale of 2**64 already overflows every fp16 gradient)")
     if config.dynamic and config.min_loss_scale > config.initial_scale:
         raise ConfigError("fp16.min_loss_scale", f"min_loss_scale ({config.min_loss_scale}) is above the initial "
                           f"scale 2**{config.initial_scale_power}; lower it or raise initial_scale_power")
