@@ -906,12 +906,14 @@ def _build_lamb(params: dict, learning_rate, options: dict) -> optax.GradientTra
 
 
 def _apply_cuda_aware(cuda_aware: bool) -> None:
-    """Maps DeepSpeed's ``cuda_aware`` to mpi4jax's ``MPI4JAX_USE_CUDA_MPI`` (read at the first GPU collective).
+    """Maps DeepSpeed's ``cuda_aware`` to mpi4jax's ``MPI4JAX_USE_CUDA_MPI``.
 
-    ``true``: MPI gets GPU buffers directly (needs a CUDA-aware MPI). ``false``: mpi4jax copies each buffer to host
-    memory and back around every collective (what DeepSpeed does with ``cuda_aware: false``). The environment
-    variable is set when unset; an explicit environment setting that disagrees wins for ``false`` and is overridden
-    for ``true``, with a warning either way.
+    ``true``: MPI gets GPU buffers directly (needs an MPI built with CUDA support and mpi4jax's CUDA bridge).
+    ``false``: mpi4jax copies each buffer to host memory and back around every collective (what DeepSpeed does with
+    ``cuda_aware: false``), without mpi4jax's warning. CPU runs are unaffected. mpi4jax reads the variable once, when
+    it compiles its first collective for a GPU, so build the optimizer before compiling any mpi4jax program. The
+    variable is set when unset; an environment setting that disagrees wins over ``false`` and is overridden by
+    ``true``, with a warning either way.
     """
     env = os.environ.get("MPI4JAX_USE_CUDA_MPI")
     want = "1" if cuda_aware else "0"
@@ -1066,6 +1068,8 @@ def describe(config: DeepSpeedConfig, dp_size: int, *, steps=None) -> str:
                                         if config.scheduler else ""))
     if steps is None:
         steps = [0, 1, 2, 10, 100, 1000, 10000, 100000]
+    lines.append("  (update 0 is the optimizer's first update" + (
+        "; DeepSpeed's initialisation step of 1-bit Adam is accounted for)" if opt.spec.init_steps else ")"))
     for s in steps:
         lr = sched(s) if callable(sched) else sched
         lines.append(f"  update {s:>7d}: lr {float(lr):.6g}")

@@ -518,6 +518,24 @@ def test_mpi_backend_is_selected(cuda_aware, env):
     assert out["worker"] == [1, padded_size(24, 1)]
 
 
+@pytest.mark.parametrize(
+    "env,cuda_aware,want,warns",
+    [(None, False, "0", False), (None, True, "1", False), ("0", True, "1", True), ("1", False, "1", True),
+     ("true", True, "true", False), ("off", False, "off", False)],
+)
+def test_cuda_aware_sets_mpi4jax_mode(monkeypatch, caplog, env, cuda_aware, want, warns):
+    from jonebit.train.config import _apply_cuda_aware
+
+    if env is None:
+        monkeypatch.delenv("MPI4JAX_USE_CUDA_MPI", raising=False)
+    else:
+        monkeypatch.setenv("MPI4JAX_USE_CUDA_MPI", env)
+    with caplog.at_level(logging.WARNING, logger="jonebit.train.config"):
+        _apply_cuda_aware(cuda_aware)
+    assert os.environ["MPI4JAX_USE_CUDA_MPI"] == want
+    assert ("MPI4JAX_USE_CUDA_MPI" in caplog.text) == warns
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # CLI
 
