@@ -642,14 +642,10 @@ def _canonical(type_name, table: Mapping[str, Any], key: str, what: str) -> str:
         raise ConfigError(key, f"expected the {what} name as a string, got {_describe(type_name)}")
     norm = type_name.lower()
     if norm not in table:
-        names = sorted({spec_name(v) for v in table.values()})
+        names = sorted({v.name for v in table.values()})
         raise ConfigError(key, f"unknown {what} {type_name!r}.{_suggest(type_name, names)} "
                           f"Known: {', '.join(names)} (case-insensitive)")
-    return spec_name(table[norm])
-
-
-def spec_name(spec) -> str:
-    return spec.name
+    return table[norm].name
 
 
 def _parse_optimizer(raw) -> OptimizerConfig:
