@@ -1,0 +1,151 @@
+"""``jonebit.train.initialize``: a DeepSpeed config in, a ready engine out (``deepspeed.initialize``'s role).
+
+    engine = initialize("ds_config.json", loss_fn, params)        # mesh: every device on axis "data"
+    engine.train(batches, LoopConfig(output_dir="run", max_steps=1000))
+
+The config decides the optimizer (with its schedule and clipping), the batch arithmetic (``train_batch_size =
+micro x accumulation x data-parallel size``), the precision (``fp16`` with DeepSpeed's loss scaler, ``bf16``,
+or fp32) and ``steps_per_print``. What the engine does per step is described in :mod:`jonebit.train.engine`;
+the loop (checkpoints, metrics, resume) in :mod:`jonebit.train.loop`.
+
+Gradient clipping (``gradient_clipping``) is applied to the gradient the optimizer receives: with standard
+optimizers the gradient averaged over ranks; with 1-bit Adam each rank's local gradient (DeepSpeed's behaviour in
+its compression stage, where no averaged gradient exists).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jonebit.sharding.mesh import data_mesh
+from jonebit.train.config import BatchSizes, ConfigError, DeepSpeedConfig, build_optimizer, build_schedule, load_config
+from jonebit.train.engine import LossScaling, TrainState, init_train_state, make_train_step
+from jonebit.train.loop import LoopConfig, ResumableIterator, train
+from jonebit.transforms.onebit_adam import is_onebit_state
+
+__all__ = ["Engine", "initialize", "loss_scaling_from_config"]
+
+_ONEBIT = ("OneBitAdam",)
+
+
+def loss_scaling_from_config(config: DeepSpeedConfig) -> LossScaling | None:
+    """The engine's :class:`LossScaling` of the ``fp16`` section (``None`` without fp16)."""
+    f = config.fp16
+    if not f.enabled:
+        return None
+    if f.dynamic:
+        return LossScaling(dynamic=True, initial_scale_power=int(f.initial_scale_power),
+                           scale_window=int(f.loss_scale_window), hysteresis=int(f.hysteresis),
+                           min_scale=float(f.min_loss_scale), consecutive_hysteresis=bool(f.consecutive_hysteresis))
+    return LossScaling(dynamic=False, static_scale=float(f.loss_scale))
+
+
+@dataclasses.dataclass
+class Engine:
+    """What :func:`initialize` builds; ``state`` changes as the engine trains.
+
+    Attributes:
+      config: the parsed DeepSpeed config.
+      batch: the resolved batch sizes.
+      tx: the optimizer (schedule and clipping included).
+      step: ``step(state, global_batch) -> (state, metrics)`` (see :func:`jonebit.train.engine.make_train_step`).
+      state: the current :class:`~jonebit.train.engine.TrainState`.
+      learning_rate: the schedule (a function of the optimizer's update count) or a constant.
+      freeze_step: jonebit's ``freeze_step`` of a 1-bit optimizer (DeepSpeed's minus one), else ``None``.
+      mesh: the data-parallel mesh.
+    """
+
+    config: DeepSpeedConfig
+    batch: BatchSizes
+    tx: optax.GradientTransformation
+    step: Callable
+    state: TrainState
+    learning_rate: Any
+    freeze_step: int | None
+    mesh: jax.sharding.Mesh
+
+    def train(self, batches: ResumableIterator, loop: LoopConfig, **kw) -> TrainState:
+        """Runs :func:`jonebit.train.loop.train` from ``self.state``; keeps the final state."""
+        if loop.freeze_step is None and self.freeze_step is not None:
+            loop = dataclasses.replace(loop, freeze_step=self.freeze_step)
+        kw.setdefault("lr_schedule", self.learning_rate)
+        self.state = train(self.step, self.state, batches, loop, **kw)
+        return self.state
+
+    def loop_config(self, output_dir, max_steps: int, **kw) -> LoopConfig:
+        """A :class:`LoopConfig` with the config's ``steps_per_print`` and this engine's ``freeze_step``."""
+        kw.setdefault("steps_per_print", self.config.steps_per_print)
+        return LoopConfig(output_dir=output_dir, max_steps=max_steps, freeze_step=self.freeze_step, **kw)
+
+
+def initialize(
+    config: str | os.PathLike | Mapping | DeepSpeedConfig,
+    loss_fn: Callable,
+    params: Any,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    axis: str = "data",
+    exp_avg_mask: Any = None,
+    has_aux: bool = False,
+    rng_seed: int | None = None,
+    tx: optax.GradientTransformation | None = None,
+) -> Engine:
+    """Builds an :class:`Engine` from a DeepSpeed config (a path, a dict or a parsed config).
+
+    Args:
+      config: the DeepSpeed config, accepted unchanged.
+      loss_fn: ``loss_fn(params, micro_batch) -> loss`` (``(loss, aux)`` with ``has_aux``; a third argument
+        ``rng`` with ``rng_seed``).
+      params: the initial parameters (any float dtype; kept as float32 master weights).
+      mesh: the data-parallel mesh (default: every device on one axis ``axis``).
+      exp_avg_mask: 1-bit Adam's momentum mask (e.g. :func:`jonebit.models.bert.position_embedding_mask`).
+      has_aux, rng_seed: see :func:`jonebit.train.engine.make_train_step`.
+      tx: an optax transformation replacing the config's optimizer section (the config may then omit it).
+    """
+    if not isinstance(config, DeepSpeedConfig):
+        config = load_config(config)
+    mesh = mesh if mesh is not None else data_mesh(axis=axis)
+    if axis not in mesh.shape:
+        raise ValueError(f"initialize: mesh has axes {tuple(mesh.shape)}, not the data axis {axis!r}")
+    dp = int(mesh.shape[axis])
+    batch = config.batch_sizes(dp)
+    if config.zero_optimization.stage or config.zero_optimization.offload_optimizer.enabled:
+        raise ConfigError(
+            "zero_optimization.stage",
+            f"the engine runs ZeRO stage 0 so far (got stage {config.zero_optimization.stage}); for stages 1-3 "
+            "build the step with jonebit.train.zero.make_zero_step, or set zero_optimization.stage to 0",
+        )
+    opt = config.optimizer
+    if opt is not None and opt.type in _ONEBIT and opt.params.get("comm_backend_name") == "mpi":
+        raise ConfigError(
+            "optimizer.params.comm_backend_name",
+            "the engine runs over jax collectives (comm_backend_name \"nccl\"); the MPI path is available through "
+            "jonebit.onebit_adam(..., mpi_comm=...) with your own step",
+        )
+    if tx is None:
+        tx = build_optimizer(config, axis_name=axis, exp_avg_mask=exp_avg_mask)
+        learning_rate = build_schedule(config.scheduler, opt)
+    else:
+        learning_rate = build_schedule(config.scheduler, opt) if opt is not None else None
+    scaling = loss_scaling_from_config(config)
+    compute = jnp.float16 if config.fp16.enabled else jnp.bfloat16 if config.bf16.enabled else jnp.float32
+    state, specs = init_train_state(tx, params, mesh, loss_scaling=scaling, axis=axis)
+    # A 1-bit optimizer (from the config or given) does its own communication on local gradients.
+    onebit = any(is_onebit_state(n) for n in jax.tree.leaves(state.opt_state, is_leaf=is_onebit_state))
+    freeze_step = None
+    if onebit and opt is not None and opt.type in _ONEBIT:
+        freeze_step = int(opt.params["freeze_step"]) - 1
+    step = make_train_step(
+        loss_fn, tx, mesh, specs, accumulation_steps=batch.gradient_accumulation_steps, compute_dtype=compute,
+        loss_scaling=scaling, grad_reduce=None if onebit else "mean", axis=axis, has_aux=has_aux,
+        rng_seed=rng_seed,
+    )
+    return Engine(config=config, batch=batch, tx=tx, step=step, state=state, learning_rate=learning_rate,
+                  freeze_step=freeze_step, mesh=mesh)

@@ -1,0 +1,92 @@
+"""jonebit.train.initialize: DeepSpeed configs drive the engine (optimizer, schedule, batch arithmetic, precision)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jonebit.train.config import ConfigError
+from jonebit.train.initialize import initialize
+from tests.train.test_engine import _batch, _params, loss_fn
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_adamw_config_with_accumulation_matches_single_device_optax():
+    cfg = {
+        "train_batch_size": 32, "train_micro_batch_size_per_gpu": 2,  # 8 devices -> 2 accumulation steps
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                                    "warmup_num_steps": 4, "warmup_type": "linear"}},
+        "gradient_clipping": 0.5,
+    }
+    engine = initialize(cfg, loss_fn, _params())
+    assert engine.batch.gradient_accumulation_steps == 2 and engine.freeze_step is None
+    batches = [_batch(32, s) for s in range(5)]
+    for b in batches:
+        engine.state, m = engine.step(engine.state, b)
+        assert not bool(m["skipped"])
+    # Reference: the same optimizer built independently (optax's AdamW, DeepSpeed WarmupLR's linear ramp with its
+    # counter one behind the update count, clipping of the averaged gradient), one device, the whole batch.
+    def lr(count):
+        return 1e-2 * jnp.clip((count - 1) / 4, 0.0, 1.0)  # gamma = counter / warmup_num_steps, counter = count - 1
+
+    ref_tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(lr, weight_decay=0.1))
+    p, st = _params(), ref_tx.init(_params())
+    for b in batches:
+        u, st = ref_tx.update(jax.grad(loss_fn)(p, jax.tree.map(jnp.asarray, b)), st, p)
+        p = optax.apply_updates(p, u)
+    for a, r in zip(jax.tree.leaves(engine.state.params), jax.tree.leaves(p), strict=True):
+        np.testing.assert_allclose(a, r, atol=3e-6)
+
+
+def test_bing_bert_onebit_config_accepted_with_batch_scaled_down(tmp_path):
+    cfg = json.loads((CONFIGS / "bing_bert_onebit_adam.json").read_text())
+    cfg.update(train_batch_size=32, train_micro_batch_size_per_gpu=4)  # scaled down for 8 CPU devices
+    cfg["optimizer"]["params"]["freeze_step"] = 3
+    engine = initialize(cfg, loss_fn, _params())
+    assert engine.freeze_step == 2  # DeepSpeed's freeze_step minus its initialisation step
+    assert float(engine.state.loss_scale.scale) == 2.0**16  # fp16, dynamic, initial_scale_power 16
+    assert engine.batch.gradient_accumulation_steps == 1
+    loop = engine.loop_config(tmp_path, max_steps=4, progress_bar=False, tensorboard=False)
+    engine.train(_Repeat(_batch(32, 0)), loop)
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    stages = [r["stage"] for r in records]
+    # fp16 from 2**16: the first steps may overflow and be skipped; once updates run, two are warmup.
+    applied = [s for s in stages if s != "skipped"]
+    assert applied[:2] == ["warmup", "warmup"] and set(applied[2:]) <= {"compression"}
+    assert all(np.isfinite(r["loss"]) for r in records)
+
+
+class _Repeat:
+    def __init__(self, batch):
+        self.batch, self.n = batch, 0
+
+    def __next__(self):
+        self.n += 1
+        return self.batch
+
+    def get_state(self):
+        return {"n": self.n}
+
+    def set_state(self, state):
+        self.n = state["n"]
+
+
+@pytest.mark.parametrize("update, pattern", [
+    ({"zero_optimization": {"stage": 2}}, r"zero_optimization.stage.*ZeRO stage 0 so far"),
+    ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 5, "comm_backend_name": "mpi"}}},
+     r"comm_backend_name.*jax collectives"),
+    ({"train_batch_size": 30}, r"train_batch_size"),
+])
+def test_refused_configs(update, pattern):
+    cfg = {"train_batch_size": 32, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    cfg.update(update)
+    with pytest.raises(ConfigError, match=pattern):
+        initialize(cfg, loss_fn, _params())
