@@ -311,9 +311,15 @@ def make_train_step(
             loss, aux, g = micro_step(local, scale, mb, None if rng is None else jax.random.fold_in(rng, i))
             return jax.tree.map(jnp.add, g_sum, g), (loss, aux)
 
-        zeros = lax.pcast(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params), axis, to="varying")
-        # Per-micro-batch losses (and aux) come out stacked: k scalars, not k gradients.
-        g_sum, (losses, auxes) = lax.scan(accumulate, zeros, (micro, jnp.arange(k)))
+        if k == 1:  # no loop to carry: one forward/backward, no zero-initialised accumulator
+            loss1, aux1, g_sum = micro_step(local, scale, jax.tree.map(lambda x: x[0], micro),
+                                            None if rng is None else jax.random.fold_in(rng, 0))
+            losses, auxes = loss1[None], jax.tree.map(lambda a: jnp.asarray(a)[None], aux1)
+        else:
+            zeros = lax.pcast(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params), axis,
+                              to="varying")
+            # Per-micro-batch losses (and aux) come out stacked: k scalars, not k gradients.
+            g_sum, (losses, auxes) = lax.scan(accumulate, zeros, (micro, jnp.arange(k)))
         inv = 1.0 / (k * scale)
         grads = jax.tree.map(lambda g: g * inv, g_sum)
 
