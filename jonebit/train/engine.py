@@ -370,7 +370,18 @@ def make_train_step(
                     f"batch leaf {jax.tree_util.keystr(path)} has shape {tuple(shape)}: its leading dimension must "
                     f"be a multiple of ranks x accumulation_steps = {ranks} x {k} = {ranks * k}"
                 )
-        return jitted(state, jax.device_put(batch, batch_sharding))
+        batch = jax.device_put(batch, batch_sharding)
+        return compiled(state, batch)(state, batch)
+
+    cache: dict = {}
+
+    def compiled(state: TrainState, batch):
+        """The compiled step for these argument shapes (compiled once; its HLO text gives the traffic)."""
+        key = jax.tree.structure((state, batch)), tuple(
+            (np.shape(x), str(getattr(x, "dtype", type(x)))) for x in jax.tree.leaves((state, batch)))
+        if key not in cache:
+            cache[key] = jitted.lower(state, jax.device_put(batch, batch_sharding)).compile()
+        return cache[key]
 
     def tx_report(state: TrainState):
         """The optimizer's own collectives (per stage branch), from its compiled update alone."""
@@ -385,6 +396,7 @@ def make_train_step(
         return comm_report(update.lower(*abstract, stacked).compile().as_text(), mesh.size)
 
     step.jitted = jitted
+    step.compiled = compiled
     # With grad_reduce="mean" the optimizer is a local computation; its only traffic is the engine's own.
     step.tx_report = tx_report if grad_reduce is None else None
     return step

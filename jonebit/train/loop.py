@@ -153,6 +153,8 @@ class LoopConfig:
       tensorboard: write TensorBoard event files.
       freeze_step: the 1-bit optimizer's ``freeze_step`` (names the stage in the metrics); ``None`` for others.
       tokens_per_example: multiplies examples/s into ``tokens_per_s`` (e.g. the sequence length).
+      eval_every: steps between calls of ``train``'s ``evaluate`` (0: only at the end when one is given); their
+        results go into that step's metrics record as ``eval/<name>``.
     """
 
     output_dir: str | pathlib.Path
@@ -167,10 +169,11 @@ class LoopConfig:
     tensorboard: bool = True
     freeze_step: int | None = None
     tokens_per_example: int = 1
+    eval_every: int = 0
 
     def __post_init__(self):
         for name, low in (("max_steps", 1), ("checkpoint_every", 0), ("keep_checkpoints", 1), ("log_every", 1),
-                          ("steps_per_print", 0), ("tokens_per_example", 1)):
+                          ("steps_per_print", 0), ("tokens_per_example", 1), ("eval_every", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
                 raise ValueError(f"LoopConfig.{name} must be an int >= {low}, got {value!r}")
@@ -250,11 +253,11 @@ def _stage_bytes(step, state: TrainState, batch) -> dict[str, float]:
     """This rank's collective bytes per stage, read from the compiled programs."""
     from jonebit.comm.accounting import comm_report
 
-    jitted = getattr(step, "jitted", None)
-    if jitted is None:
+    compiled = getattr(step, "compiled", None)
+    if compiled is None:
         return {}
     mesh = jax.tree.leaves(state.params)[0].sharding.mesh
-    report = comm_report(jitted.lower(state, batch).compile().as_text(), mesh.size)
+    report = comm_report(compiled(state, batch).as_text(), mesh.size)
     # The engine's own collectives run every step; the skip conditional's apply branch holds the optimizer's.
     base = report.always_bytes
     out = {"skipped": base, "full": base}
@@ -291,6 +294,7 @@ def train(
     lr_schedule: Callable[[int], float] | float | None = None,
     resume: bool = True,
     on_log: Callable[[dict], None] | None = None,
+    evaluate: Callable[[TrainState], dict] | None = None,
 ) -> TrainState:
     """Trains until ``config.max_steps``; returns the final state.
 
@@ -302,7 +306,9 @@ def train(
       config: a :class:`LoopConfig`.
       lr_schedule: the learning rate as a function of the optimizer's update count (for the metrics only).
       resume: continue from the latest checkpoint in ``output_dir/checkpoints`` if there is one.
-      on_log: called with each metrics record (e.g. for evaluation hooks).
+      on_log: called with each metrics record.
+      evaluate: ``evaluate(state) -> {name: float}``, run every ``config.eval_every`` steps and at the end; the
+        values are logged as ``eval/<name>``.
     """
     if not isinstance(config, LoopConfig):
         raise TypeError(f"config must be a LoopConfig, got {type(config).__name__}")
@@ -367,10 +373,16 @@ def train(
                     f"step {n}: a rank's gradient held an inf or a NaN (the step was not applied). With "
                     "nonfinite='skip' such steps are skipped and counted instead"
                 )
-            if n % config.log_every == 0 or n == config.max_steps:
+            evaluating = evaluate is not None and (n == config.max_steps or (
+                config.eval_every and n % config.eval_every == 0))
+            if n % config.log_every == 0 or n == config.max_steps or evaluating:
                 elapsed = max(time.perf_counter() - t_last, 1e-9)
                 record = _record(n, state, metrics, config, lr_schedule, stage_bytes, examples / elapsed,
                                  elapsed / (n - logged))
+                if evaluating:
+                    t_eval = time.perf_counter()
+                    record.update({f"eval/{k}": float(v) for k, v in evaluate(state).items()})
+                    record["eval_seconds"] = time.perf_counter() - t_eval
                 t_last, examples, logged = time.perf_counter(), 0, n
                 if lead:
                     with metrics_path.open("a") as f:
@@ -460,6 +472,8 @@ def _record(n, state, metrics, config, lr_schedule, stage_bytes, examples_per_s,
 
 
 def _console(r: dict) -> str:
+    evals = "".join(f" {k} {v:.4g}" for k, v in r.items() if k.startswith("eval/"))
     return (f"step {r['step']}: loss {r['loss']:.4f} lr {r['lr']:.3g} stage {r['stage']} "
-            f"grad_norm {r['grad_norm']:.3g} loss_scale {r['loss_scale']:g} tokens/s {r['tokens_per_s']:.0f}")
+            f"grad_norm {r['grad_norm']:.3g} loss_scale {r['loss_scale']:g} tokens/s {r['tokens_per_s']:.0f}"
+            + evals)
 

@@ -1,0 +1,357 @@
+"""``jonebit pretrain``: BERT pre-training (masked LM + next sentence) with a DeepSpeed config.
+
+    jonebit pretrain --config configs/bing_bert_onebit_adam.json --corpus wiki.txt --vocab vocab.txt \\
+        --model base --seq-len 128 --batch-size 256 --max-steps 10000 --output runs/bert
+
+Steps: build (or reuse) the instance cache of the corpus (:mod:`jonebit.data.pretraining`), build the engine from
+the config (:func:`jonebit.train.initialize.initialize`), train with checkpoints, metrics, held-out evaluation and
+resume (:mod:`jonebit.train.loop`), and export the model as a HuggingFace checkpoint (``OUTPUT/hf``) that
+``transformers.BertForPreTraining.from_pretrained`` loads.
+
+With no ``--corpus`` it runs the **embedded default**: the reference text that ships with CPython
+(``pydoc_data``), a WordPiece vocabulary trained on it, a tiny BERT, pre-trained once with Adam and once with 1-bit
+Adam on the same data and seed, then a comparison table and ``curves.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import sys
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# The embedded default's optimizers: same schedule; 1-bit Adam freezes after 20% of the steps. bias_correction and
+# per-tensor compression (fused=False) are the settings that converge on small models (see the README).
+_DEFAULT_STEPS = 300
+
+
+def default_configs(max_steps: int, batch_size: int, lr: float = 2e-3) -> dict[str, dict]:
+    """The embedded default's two DeepSpeed configs (Adam and 1-bit Adam), same schedule and batch."""
+    warmup = max(2, max_steps // 10)
+    sched = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
+                                                 "warmup_num_steps": warmup, "total_num_steps": max_steps + 1,
+                                                 "warmup_type": "linear"}}
+    base = {"train_batch_size": batch_size, "steps_per_print": max(1, max_steps // 10), "gradient_clipping": 1.0,
+            "scheduler": sched}
+    adam = dict(base, optimizer={"type": "Adam", "params": {"lr": lr, "weight_decay": 0.01}})
+    onebit = dict(base, optimizer={"type": "OneBitAdam", "params": {
+        "lr": lr, "weight_decay": 0.01, "freeze_step": max(2, max_steps // 5) + 1, "bias_correction": True}})
+    return {"adam": adam, "onebit_adam": onebit}
+
+
+def embedded_corpus(path: pathlib.Path) -> pathlib.Path:
+    """Writes CPython's ``pydoc_data`` topics as a corpus: one topic per document, one paragraph per line."""
+    import pydoc_data.topics
+
+    docs = []
+    for text in pydoc_data.topics.topics.values():
+        paragraphs = [" ".join(p.split()) for p in text.split("\n\n")]
+        paragraphs = [p for p in paragraphs if len(p) > 20 and not set(p) <= set("*=-~ ")]
+        if paragraphs:
+            docs.append("\n".join(paragraphs))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+    return path
+
+
+def _model_config(name: str, vocab_size: int, seq_len: int):
+    from jonebit.models.bert import BertConfig
+
+    if name.startswith("hf:"):
+        from jonebit.models.bert.params import read_hf_checkpoint
+
+        cfg, _ = read_hf_checkpoint(name[3:])
+        return cfg
+    return BertConfig.preset(name, vocab_size=vocab_size, max_position_embeddings=max(512, seq_len))
+
+
+def build_model(name: str, vocab_size: int, seq_len: int, seed: int):
+    """A ``BertForPreTraining``: a preset initialised from ``seed``, or ``hf:DIR`` loaded from a checkpoint."""
+    from flax import nnx
+
+    from jonebit.models.bert import BertForPreTraining, load_hf_checkpoint
+
+    if name.startswith("hf:"):
+        model = load_hf_checkpoint(name[3:], model_cls=BertForPreTraining)
+        if model.config.vocab_size != vocab_size:
+            raise ValueError(f"--model {name} has vocab_size {model.config.vocab_size}, the tokenizer has "
+                             f"{vocab_size}: pass the checkpoint's vocab.txt with --vocab")
+        return model
+    return BertForPreTraining(_model_config(name, vocab_size, seq_len), rngs=nnx.Rngs(params=seed, dropout=seed + 1))
+
+
+def make_loss(graphdef, keys, rest):
+    """``loss_fn(params, batch, rng)``: MLM + NSP loss, dropout drawn from the engine's key.
+
+    ``keys`` is the model's ``nnx.RngState`` (stream keys and counters); each step replaces every stream key with the
+    engine's key (which depends on the step, the rank and the micro-batch only), so dropout is reproducible across
+    restarts. Mapping the state also gives fresh Variables inside the trace, which the dropout layers may advance.
+    """
+    import jax
+    from flax import nnx
+
+    from jonebit.models.bert import pretraining_loss
+
+    def loss_fn(params, batch, rng):
+        fresh = jax.tree.map(lambda x: rng if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x, keys)
+        model = nnx.merge(graphdef, params, fresh, rest)
+        out = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], deterministic=False)
+        return pretraining_loss(out, batch)
+
+    return loss_fn
+
+
+def make_evaluate(graphdef, keys, rest, data, batch_size: int, max_batches: int):
+    """``evaluate(state)``: held-out MLM loss and accuracy and NSP accuracy (dropout off)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    @jax.jit
+    def sums(params, batch):
+        fixed = jax.tree.map(lambda x: x, keys)  # fresh Variables in this trace
+        out = nnx.merge(graphdef, params, fixed, rest)(batch["input_ids"], batch["attention_mask"],
+                                                batch["token_type_ids"], deterministic=True)
+        labels = batch["labels"]
+        valid = labels >= 0
+        logits = out.prediction_logits.astype(jnp.float32)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(valid, labels, 0))
+        hit = jnp.argmax(logits, -1) == labels
+        nsp_hit = jnp.argmax(out.seq_relationship_logits, -1) == batch["next_sentence_label"]
+        return jnp.stack([jnp.sum(jnp.where(valid, ce, 0.0)), jnp.sum(valid & hit), jnp.sum(valid),
+                          jnp.sum(nsp_hit), nsp_hit.size])
+
+    n = min(len(data) // batch_size, max_batches)
+    if n < 1:
+        raise ValueError(f"the held-out split has {len(data)} instances, fewer than one batch of {batch_size}")
+    batches = [data.rows(np.arange(i * batch_size, (i + 1) * batch_size)) for i in range(n)]
+
+    def evaluate(state) -> dict:
+        params = jax.device_get(state.params)
+        total = sum(np.asarray(sums(params, b), np.float64) for b in batches)
+        return {"mlm_loss": total[0] / total[2], "mlm_accuracy": total[1] / total[2], "nsp_accuracy": total[3] / total[4]}
+
+    return evaluate
+
+
+@dataclasses.dataclass
+class RunResult:
+    name: str
+    output: pathlib.Path
+    records: list
+    seconds: float
+
+
+def run(
+    config: Any,
+    *,
+    data_dir: pathlib.Path,
+    vocab_file: pathlib.Path,
+    model: str,
+    seq_len: int,
+    max_steps: int,
+    output: pathlib.Path,
+    seed: int = 0,
+    eval_every: int = 0,
+    eval_batches: int = 20,
+    checkpoint_every: int = 0,
+    resume: bool = True,
+    progress: bool = True,
+    export: bool = True,
+) -> RunResult:
+    """Pre-trains one model; returns its metrics records."""
+    import jax
+    from flax import nnx
+
+    from jonebit.data.pretraining import PretrainingData
+    from jonebit.data.tokenization import load_wordpiece
+    from jonebit.models.bert import position_embedding_mask, save_hf_checkpoint
+    from jonebit.train.config import load_config
+    from jonebit.train.initialize import initialize
+
+    tokenizer = load_wordpiece(vocab_file)
+    cfg = load_config(config)
+    net = build_model(model, tokenizer.vocab_size, seq_len, seed)
+    if net.config.max_position_embeddings < seq_len:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings "
+                         f"{net.config.max_position_embeddings}")
+    graphdef, params, keys, rest = nnx.split(net, nnx.Param, nnx.RngState, ...)
+    onebit = cfg.optimizer is not None and cfg.optimizer.type == "OneBitAdam"
+    mask = position_embedding_mask(params, seq_len) if onebit else None
+    engine = initialize(cfg, make_loss(graphdef, keys, rest), params, exp_avg_mask=mask, rng_seed=seed)
+    train_data = PretrainingData(data_dir, "train")
+    heldout = PretrainingData(data_dir, "heldout") if "heldout" in train_data.manifest["instances"] else None
+    evaluate = None
+    if heldout is not None:
+        evaluate = make_evaluate(graphdef, keys, rest, heldout, engine.batch.train_batch_size, eval_batches)
+    loop = engine.loop_config(output, max_steps, checkpoint_every=checkpoint_every, eval_every=eval_every,
+                              tokens_per_example=seq_len, progress_bar=progress)
+    t0 = time.perf_counter()
+    engine.train(train_data.batches(engine.batch.train_batch_size, seed=seed), loop, evaluate=evaluate,
+                 resume=resume)
+    seconds = time.perf_counter() - t0
+    if export and jax.process_index() == 0:
+        nnx.update(net, jax.device_get(engine.state.params))
+        save_hf_checkpoint(net, output / "hf")
+        tokenizer.save_vocab(output / "hf" / "vocab.txt")
+    records = [json.loads(x) for x in (output / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return RunResult(name=output.name, output=output, records=records, seconds=seconds)
+
+
+def _prepare_data(args, out: pathlib.Path):
+    from jonebit.data.pretraining import PretrainingOptions, build_pretraining_data, iter_texts
+    from jonebit.data.tokenization import load_wordpiece, train_wordpiece
+
+    corpus = [pathlib.Path(c) for c in args.corpus] if args.corpus else [embedded_corpus(out / "corpus.txt")]
+    if args.vocab:
+        vocab = pathlib.Path(args.vocab)
+        tokenizer = load_wordpiece(vocab)
+    else:
+        vocab = out / "vocab.txt"
+        if vocab.is_file():
+            tokenizer = load_wordpiece(vocab)
+        else:
+            print(f"training a {args.vocab_size}-token WordPiece vocabulary on {', '.join(map(str, corpus))}")
+            tokenizer = train_wordpiece(iter_texts(corpus), args.vocab_size)
+            out.mkdir(parents=True, exist_ok=True)
+            tokenizer.save_vocab(vocab)
+    options = PretrainingOptions(max_seq_length=args.seq_len, max_predictions_per_seq=args.max_predictions,
+                                 dupe_factor=args.dupe_factor, seed=args.seed,
+                                 heldout_documents=args.heldout_documents, whole_word_mask=args.whole_word_mask)
+    data_dir = pathlib.Path(args.data_dir) if args.data_dir else out / "data"
+    build_pretraining_data(corpus, tokenizer, data_dir, options, overwrite=args.overwrite_data)
+    return data_dir, vocab
+
+
+def _table(results: list[RunResult]) -> str:
+    lines = ["| run | final train loss | held-out MLM loss | MLM acc | NSP acc | MB sent per rank | bytes/step "
+             "warmup | bytes/step compression | seconds |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        recs = r.records
+        last = recs[-1]
+        tail = [x["loss"] for x in recs[-max(1, len(recs) // 10):]]
+        sent = 0.0
+        prev = 0
+        for x in recs:
+            b = x.get("bytes_sent")
+            sent += (b if isinstance(b, int | float) else 0.0) * (x["step"] - prev)
+            prev = x["step"]
+        by_stage = {}
+        for x in recs:
+            by_stage.setdefault(x["stage"], x["bytes_sent"])
+        warm = by_stage.get("warmup", by_stage.get("full", float("nan")))
+        comp = by_stage.get("compression", float("nan"))
+        lines.append(
+            f"| {r.name} | {sum(tail) / len(tail):.3f} | {last.get('eval/mlm_loss', float('nan')):.3f} | "
+            f"{last.get('eval/mlm_accuracy', float('nan')):.3f} | {last.get('eval/nsp_accuracy', float('nan')):.3f} "
+            f"| {sent / 1e6:.1f} | {warm:,.0f} | {comp:,.0f} | {r.seconds:.0f} |")
+    return "\n".join(lines)
+
+
+def add_parser(subparsers) -> None:
+    """Registers ``jonebit pretrain``."""
+    p = subparsers.add_parser("pretrain", help="pre-train BERT (MLM + NSP) with a DeepSpeed config",
+                              description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="DeepSpeed JSON config (default: the embedded Adam vs 1-bit Adam comparison)")
+    p.add_argument("--model", default="tiny", help="tiny|mini|small|medium|base|large or hf:DIR (default tiny)")
+    p.add_argument("--corpus", nargs="+", help="text files: one paragraph per line, blank line between documents "
+                   "(default: CPython's pydoc_data topics)")
+    p.add_argument("--vocab", help="BERT vocab.txt (default: train one on the corpus)")
+    p.add_argument("--vocab-size", type=int, default=2000, help="size of a trained vocabulary (default 2000)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per instance (default 128; 64 embedded)")
+    p.add_argument("--max-steps", type=int, default=None, help=f"optimizer steps (default {_DEFAULT_STEPS} embedded)")
+    p.add_argument("--batch-size", type=int, help="override train_batch_size (scales a config down to this machine)")
+    p.add_argument("--micro-batch", type=int, help="override train_micro_batch_size_per_gpu")
+    p.add_argument("--max-predictions", type=int, default=20, help="masked positions per instance (default 20)")
+    p.add_argument("--dupe-factor", type=int, default=5, help="passes over the corpus with new masks (default 5)")
+    p.add_argument("--whole-word-mask", action="store_true", help="mask whole words")
+    p.add_argument("--heldout-documents", type=int, default=None, help="documents kept for evaluation")
+    p.add_argument("--eval-every", type=int, default=0, help="steps between held-out evaluations (0: at the end)")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
+    p.add_argument("--data-dir", help="instance cache (default OUTPUT/data)")
+    p.add_argument("--overwrite-data", action="store_true", help="rebuild a cache built with other options")
+    p.add_argument("--output", default="runs/pretrain", help="output directory (default runs/pretrain)")
+    p.add_argument("--no-resume", dest="resume", action="store_false", help="refuse to continue an existing run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--devices", type=int, default=8,
+                   help="simulated CPU devices when running on CPU (data-parallel ranks; default 8)")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    """Runs ``jonebit pretrain``; returns the exit code."""
+    import jax
+
+    try:  # a CPU "cluster" of N devices in this process; no effect on GPU backends or once jax has started
+        jax.config.update("jax_num_cpu_devices", args.devices)
+    except RuntimeError:
+        pass
+    from jonebit.train.config import ConfigError
+
+    out = pathlib.Path(args.output)
+    embedded = args.config is None
+    if args.seq_len is None:
+        args.seq_len = 64 if embedded else 128
+    if args.max_steps is None:
+        if not embedded:
+            print("jonebit pretrain: --max-steps is required with --config", file=sys.stderr)
+            return 2
+        args.max_steps = _DEFAULT_STEPS
+    if args.heldout_documents is None:
+        args.heldout_documents = 6 if not args.corpus else 0
+    try:
+        data_dir, vocab = _prepare_data(args, out)
+        if embedded:
+            configs = default_configs(args.max_steps, args.batch_size or 64)
+        else:
+            cfg = json.loads(pathlib.Path(args.config).read_text())
+            if args.batch_size:
+                cfg["train_batch_size"] = args.batch_size
+            if args.micro_batch:
+                cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
+            elif args.batch_size and "train_micro_batch_size_per_gpu" in cfg:
+                cfg.pop("train_micro_batch_size_per_gpu")  # derived from the new batch and the device count
+                cfg.pop("gradient_accumulation_steps", None)
+            configs = {out.name: cfg}
+        results = []
+        for name, cfg in configs.items():
+            print(f"\n== {name}")
+            results.append(run(cfg, data_dir=data_dir, vocab_file=vocab, model=args.model, seq_len=args.seq_len,
+                               max_steps=args.max_steps, output=out / name if embedded else out, seed=args.seed,
+                               eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
+                               resume=args.resume))
+    except (ConfigError, ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"jonebit pretrain: {e}", file=sys.stderr)
+        return 2
+    print()
+    print(_table(results))
+    if embedded:
+        from jonebit.plot import plot_runs
+
+        plot_runs([r.output for r in results], out / "curves.png", labels=[r.name for r in results])
+        print(f"\ncurves: {out / 'curves.png'}")
+        a, b = results
+        la, lb = a.records[-1].get("eval/mlm_loss"), b.records[-1].get("eval/mlm_loss")
+        if la and lb:
+            print(f"held-out MLM loss: 1-bit Adam {lb:.3f} vs Adam {la:.3f} ({100 * (lb - la) / la:+.1f}%)")
+    (out / "summary.json").write_text(json.dumps([{"name": r.name, "seconds": r.seconds, "final": r.records[-1]}
+                                                   for r in results], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    logging.basicConfig(level=logging.WARNING)
+    parser = argparse.ArgumentParser(prog="jonebit")
+    sub = parser.add_subparsers()
+    add_parser(sub)
+    sys.exit(main(parser.parse_args(["pretrain", *sys.argv[1:]])))
