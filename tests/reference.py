@@ -91,3 +91,45 @@ class NumpyOneBitAdam:
             self.params[k] = self.params[k] - self.lr * u
         self.count += 1
         return self.params
+
+
+class NumpyOneBitAdamFull(NumpyOneBitAdam):
+    """:class:`NumpyOneBitAdam` plus a learning-rate schedule, Adam's bias correction and per-rank gradient clipping.
+
+    ``schedule(count)`` gives the learning rate of the update that follows ``count`` updates (0-based). With
+    ``bias_correction`` the update is ``(m / (1 - b1^t)) / (sqrt(v / (1 - b2^min(t, freeze_step))) + eps)`` for the
+    t-th update (1-based): the variance's correction stops where the variance stops. ``clip_norm`` scales each
+    rank's local gradient by ``min(1, clip_norm / ||g||)`` first (``optax.clip_by_global_norm`` chained before the
+    optimizer inside ``shard_map`` sees only its own rank's gradient).
+    """
+
+    def __init__(self, params, p, *, freeze_step, schedule=None, bias_correction=False, clip_norm=None, **kwargs):
+        super().__init__(params, p, freeze_step=freeze_step, **kwargs)
+        self.schedule = schedule if schedule is not None else (lambda count: kwargs["lr"])
+        self.bias_correction, self.clip_norm = bias_correction, clip_norm
+
+    def clip(self, grads):
+        norm = np.sqrt(sum(np.sum(grads[k].astype(np.float64) ** 2) for k in self.keys))
+        factor = min(1.0, self.clip_norm / norm) if norm > 0 else 1.0
+        return {k: (grads[k] * np.float32(factor)).astype(np.float32) for k in self.keys}
+
+    def variance_correction(self, t):
+        """``1 - b2^t`` while the variance is estimated, then fixed at its freeze_step value."""
+        return 1.0 - self.b2 ** min(t, self.freeze)
+
+    def step(self, local_grads):
+        if self.clip_norm is not None:
+            local_grads = [self.clip(g) for g in local_grads]
+        count, lr, before = self.count, self.lr, dict(self.params)
+        # The moments, error buffers and count move as in the base class; a zero learning rate leaves the params.
+        self.lr = 0.0
+        super().step(local_grads)
+        self.lr = lr
+        t = count + 1
+        c1 = 1.0 - self.b1 ** t if self.bias_correction else 1.0
+        c2 = self.variance_correction(t) if self.bias_correction else 1.0
+        lr_t = float(self.schedule(count))
+        for k in self.keys:
+            u = (self.m[k] / c1) / (np.sqrt(self.v[k] / c2) + self.eps) + self.wd * before[k]
+            self.params[k] = (before[k] - lr_t * u).astype(np.float32)
+        return self.params

@@ -5,6 +5,21 @@ and a result of ``B`` bytes: all-reduce ``2 (P-1)/P B``; all-gather and all-to-a
 reduce-scatter ``(P-1) B`` (its result is one shard); collective-permute ``B``. Collectives inside the
 branches of an HLO ``conditional`` (``lax.cond``) are attributed to their branch, so one compiled step that
 switches stages at run time can be costed per stage.
+
+Forms of the HLO text that are counted (GPU programs use most of them):
+
+- synchronous collectives, with an array or a tuple result (variadic collectives: the tuple's arrays summed);
+- asynchronous pairs ``all-reduce-start``/``-done``, ``all-gather-start``/``-done``,
+  ``collective-permute-start``/``-done``, ``reduce-scatter-start``/``-done``, ``all-to-all-start``/``-done``:
+  counted once, at the ``-start``. Except for ``all-reduce-start`` (whose shape is its result), a ``-start``
+  shape is a tuple ``(operands, results, context...)``; only its second element, the results, is counted;
+- the generic ``async-start(...), calls=%wrapped`` form: the wrapped computation's collective is counted once;
+  the ``async-update``/``async-done`` instructions naming the same computation are not followed;
+- collectives inside ``while`` loops: multiplied by the loop's trip count when XLA knows it (the
+  ``"known_trip_count":{"n":"..."}`` entry of the loop's ``backend_config``; the condition runs once more than
+  the body). With an unknown trip count the collective is kept with ``trips=None`` and every byte total that
+  would include it raises ``ValueError`` rather than report a per-step number that is not one; each
+  ``Collective`` still gives its bytes per execution.
 """
 
 from __future__ import annotations
@@ -18,29 +33,46 @@ _DTYPE_BYTES = {
 }
 _OPS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute")
 _INSTR = re.compile(
-    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+(?P<op>" + "|".join(_OPS) + r")(?:-start)?\((?P<rest>.*)$"
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+(?P<op>" + "|".join(_OPS) + r")(?P<start>-start)?\("
 )
+# Instructions whose `calls=` names a computation already followed from the matching async-start.
+_ASYNC_FOLLOWUP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.+?\s+async-(?:update|done)\(")
+_WHILE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.+?\s+while\(")
+_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\dm\d\w*)?)\[([\d,]*)\]")
 # Computation headers start in column 0: "%name (params) -> shape {" (optimized) or "name {" (lowered).
 _COMP_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$")
-_CALLS = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
+_CALLS = re.compile(r"\b(calls|to_apply|body|condition)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_PRED_BRANCHES = re.compile(r"true_computation=%?([\w.\-]+),\s*false_computation=%?([\w.\-]+)")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
 
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    """One collective instruction of the program."""
+    """One collective instruction of the program.
+
+    Attributes:
+      op: the collective's name without ``-start`` (``"all-reduce"``, ``"all-gather"``, ...).
+      result_bytes: bytes of its result arrays, one execution.
+      group_size: ranks in its replica group.
+      computation: the HLO computation holding the instruction.
+      dtypes: element types of its result arrays (``"u8"``, ``"f32"``, ...).
+      trips: executions per run of the program (product of the trip counts of the enclosing ``while`` loops);
+        ``None`` when an enclosing loop's trip count is unknown.
+    """
 
     op: str
     result_bytes: int
     group_size: int
     computation: str
+    dtypes: tuple[str, ...] = ()
+    trips: int | None = 1
 
     @property
     def bytes_sent(self) -> float:
-        """Bytes each rank sends (ring costs; see module docstring)."""
+        """Bytes each rank sends in one execution (ring costs; see module docstring)."""
         p, b = self.group_size, self.result_bytes
         if p <= 1:
             return 0.0
@@ -52,6 +84,21 @@ class Collective:
             return (p - 1) * b
         return float(b)  # collective-permute
 
+    @property
+    def total_bytes_sent(self) -> float:
+        """Bytes each rank sends in one run of the program (``bytes_sent`` times ``trips``)."""
+        if self.trips is None:
+            raise ValueError(
+                f"comm_report: the {self.op} in computation {self.computation!r} is inside a while loop whose trip "
+                "count XLA does not know, so its bytes per program run are unknown; use its bytes_sent (one "
+                "execution) times the number of iterations you expect"
+            )
+        return self.bytes_sent * self.trips
+
+
+def _total(collectives) -> float:
+    return sum(c.total_bytes_sent for c in collectives)
+
 
 @dataclasses.dataclass(frozen=True)
 class CommReport:
@@ -62,11 +109,12 @@ class CommReport:
 
     @property
     def always_bytes(self) -> float:
-        return sum(c.bytes_sent for c in self.always)
+        """Bytes per rank of the unconditional collectives, loop trip counts included."""
+        return _total(self.always)
 
     def branch_bytes(self, branch: int, conditional: int = 0) -> float:
         """Bytes of one step that takes ``branch`` of the given conditional (plus the unconditional ones)."""
-        return self.always_bytes + sum(c.bytes_sent for c in self.branches[conditional][branch])
+        return self.always_bytes + _total(self.branches[conditional][branch])
 
     def ops(self, branch: int | None = None, conditional: int = 0) -> list[str]:
         """Op names executed (all unconditional ones, plus one branch's when ``branch`` is given)."""
@@ -74,16 +122,51 @@ class CommReport:
         return [c.op for c in (*self.always, *extra)]
 
 
-def _shape_bytes(shape: str) -> int:
-    total = 0
+def _split_top_level(shape: str) -> list[str]:
+    """Elements of a tuple shape ``(a, (b, c), d[2,3]{1,0})``; ``[shape]`` when it is not a tuple."""
+    shape = shape.strip()
+    if not shape.startswith("("):
+        return [shape]
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(shape):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0:  # the tuple's closing parenthesis
+                parts.append(shape[start:i])
+                break
+        elif ch == "," and depth == 1:
+            parts.append(shape[start:i])
+            start = i + 1
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _arrays(shape: str) -> list[tuple[str, int]]:
+    """``(dtype, bytes)`` of every array in a (possibly nested tuple) shape."""
+    out = []
     for dtype, dims in _ARRAY.findall(shape):
         if dtype not in _DTYPE_BYTES:
             continue
         n = 1
         for d in filter(None, dims.split(",")):
             n *= int(d)
-        total += n * _DTYPE_BYTES[dtype]
-    return total
+        out.append((dtype, n * _DTYPE_BYTES[dtype]))
+    return out
+
+
+def _shape_bytes(shape: str) -> int:
+    return sum(b for _, b in _arrays(shape))
+
+
+def _result_shape(op: str, is_start: bool, shape: str) -> str:
+    """The part of an instruction's shape that is the collective's result."""
+    if not is_start or op == "all-reduce":
+        return shape  # sync collectives and all-reduce-start: the shape is the result (a tuple when variadic)
+    parts = _split_top_level(shape)
+    if len(parts) < 2:
+        raise ValueError(f"comm_report: {op}-start should have a tuple shape (operands, results, ...), got {shape}")
+    return parts[1]
 
 
 def _group_size(line: str, default: int) -> int:
@@ -94,12 +177,19 @@ def _group_size(line: str, default: int) -> int:
     return default
 
 
+def _times(trips: int | None, n: int | None) -> int | None:
+    return None if trips is None or n is None else trips * n
+
+
 def comm_report(hlo_text: str, num_devices: int) -> CommReport:
     """Parses the text of a compiled program (``jitted.lower(...).compile().as_text()``).
 
     Args:
       hlo_text: optimized HLO module text.
       num_devices: group size assumed when an instruction has no ``replica_groups`` (all devices).
+
+    Returns:
+      A :class:`CommReport`. Conditionals nested inside a branch are merged into that branch.
     """
     comps: dict[str, list[str]] = {}
     entry = None
@@ -115,7 +205,7 @@ def comm_report(hlo_text: str, num_devices: int) -> CommReport:
     if entry is None:
         raise ValueError("comm_report: no ENTRY computation in the HLO text")
 
-    def walk(name: str, seen: set) -> tuple[list[Collective], list[list[list[Collective]]]]:
+    def walk(name: str, seen: set, trips: int | None):
         """Collectives reachable from a computation, conditional branches kept apart."""
         direct, conds = [], []
         if name in seen or name not in comps:
@@ -123,19 +213,37 @@ def comm_report(hlo_text: str, num_devices: int) -> CommReport:
         seen = seen | {name}
         for line in comps[name]:
             if m := _INSTR.match(line):
-                direct.append(Collective(m.group("op"), _shape_bytes(m.group("shape")),
-                                         _group_size(line, num_devices), name))
+                op, is_start = m.group("op"), m.group("start") is not None
+                arrays = _arrays(_result_shape(op, is_start, m.group("shape")))
+                direct.append(Collective(op, sum(b for _, b in arrays), _group_size(line, num_devices), name,
+                                         tuple(d for d, _ in arrays), trips))
             if b := _BRANCHES.search(line):
+                names = [x.strip().lstrip("%") for x in b.group(1).split(",")]
+            elif b := _PRED_BRANCHES.search(line):
+                names = [b.group(1), b.group(2)]
+            else:
+                names = []
+            if names:
                 branches = []
-                for branch in (x.strip().lstrip("%") for x in b.group(1).split(",")):
-                    inner, nested = walk(branch, seen)
+                for branch in names:
+                    inner, nested = walk(branch, seen, trips)
                     branches.append(inner + [c for cond in nested for br in cond for c in br])
                 conds.append(branches)
-            for callee in _CALLS.findall(line):
-                inner, nested = walk(callee, seen)
+            if _ASYNC_FOLLOWUP.match(line):
+                continue
+            known = None
+            if _WHILE.match(line) and (t := _TRIP_COUNT.search(line)):
+                known = int(t.group(1))
+            for attr, callee in _CALLS.findall(line):
+                inner_trips = trips
+                if attr == "body":
+                    inner_trips = _times(trips, known)
+                elif attr == "condition":
+                    inner_trips = _times(trips, None if known is None else known + 1)
+                inner, nested = walk(callee, seen, inner_trips)
                 direct += inner
                 conds += nested
         return direct, conds
 
-    always, conds = walk(entry, set())
+    always, conds = walk(entry, set(), 1)
     return CommReport(tuple(always), tuple(tuple(tuple(b) for b in c) for c in conds))

@@ -8,6 +8,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jonebit.comm import compressed_allreduce, compressed_bytes_per_rank, padded_size
+from jonebit.comm.accounting import comm_report
 from tests.reference import np_compressed_allreduce, np_padded
 
 
@@ -110,10 +111,45 @@ def test_error_feedback_tracks_the_mean():
     assert rel < 0.05, rel
 
 
+def _spec_bytes(n, p):
+    """The spec's count: P rows of C/8 sign bytes and a 4-byte scale per rank (C = N_pad / P); the all-to-all
+    sends P - 1 of them, the all-gather sends this rank's row to the P - 1 others."""
+    row = np_padded(n, p) // p // 8 + 4
+    return 2 * (p - 1) * row
+
+
 def test_bytes_formula_is_32x_below_fp32():
     n, p = 110_000_000, 8
     fp32 = 2 * (p - 1) / p * n * 4
+    assert compressed_bytes_per_rank(n, p) == _spec_bytes(n, p)
     assert 31.5 < fp32 / compressed_bytes_per_rank(n, p) <= 32.0
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("n", [1, 37, 1000, 4099, 110_000_000])
+def test_bytes_formula_written_out(p, n):
+    assert compressed_bytes_per_rank(n, p) == _spec_bytes(n, p)
+
+
+@pytest.mark.parametrize("p,n", [(2, 37), (4, 1000), (8, 4099)])
+def test_compiled_collectives_move_uint8_and_the_formula_bytes(p, n):
+    """The compiled allreduce: one all-to-all and one all-gather, only uint8 on the wire, spec byte count."""
+    mesh = mesh_of(p)
+
+    @jax.shard_map(mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+    def call(x, we, se):
+        out, we, se = compressed_allreduce(x[0], we[0], se[0], axis_name="data")
+        return out[None], we[None], se[None]
+
+    n_pad = np_padded(n, p)
+    args = [jax.ShapeDtypeStruct((p, m), jnp.float32, sharding=jax.NamedSharding(mesh, P("data")))
+            for m in (n, n_pad, n_pad // p)]
+    report = comm_report(jax.jit(call).lower(*args).compile().as_text(), p)
+    assert sorted(c.op for c in report.always) == ["all-gather", "all-to-all"]
+    for c in report.always:
+        assert c.dtypes and set(c.dtypes) == {"u8"}, c
+        assert c.result_bytes == p * (n_pad // p // 8 + 4), c
+    assert report.always_bytes == _spec_bytes(n, p)
 
 
 def test_outside_shard_map_is_a_clear_error():

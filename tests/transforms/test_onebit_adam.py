@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 import jonebit
 from jonebit import onebit_adam, sharded_init, state_specs
-from tests.reference import NumpyOneBitAdam
+from tests.reference import NumpyOneBitAdam, NumpyOneBitAdamFull
 
 
 def mesh_of(p):
@@ -132,18 +132,36 @@ def test_state_specs_and_sharding():
     assert state_specs(jax.eval_shape(lambda: state)) == specs
 
 
-def test_chain_with_clipping_runs():
-    p = 4
+def run_against(tx, ref, p, *, steps, grad_scale=1.0, seed=0):
+    """Applies the same random per-rank gradients to ``tx`` (sharded) and to the numpy ``ref``; yields both."""
+    rng = np.random.default_rng(seed)
+    params0 = {k: v.copy() for k, v in ref.params.items()}
     mesh = mesh_of(p)
-    params0 = make_params(np.random.default_rng(0))
-    tx = optax.chain(optax.clip_by_global_norm(0.1), onebit_adam(1e-2, freeze_step=1))
     state, specs = sharded_init(tx, params0, mesh)
     step, put = stepper(tx, mesh, specs)
     params = jax.device_put(params0, jax.NamedSharding(mesh, P()))
-    g = put({k: np.full((p,) + v.shape, 100.0, np.float32) for k, v in params0.items()})
-    for _ in range(3):
-        params, state = step(params, state, g)
-    assert all(np.all(np.isfinite(np.asarray(v))) for v in params.values())
+    for t in range(steps):
+        grads = [{k: (grad_scale * rng.standard_normal(v.shape)).astype(np.float32) for k, v in params0.items()}
+                 for _ in range(p)]
+        params, state = step(params, state, put({k: np.stack([g[k] for g in grads]) for k in params0}))
+        yield t, grads, {k: np.asarray(v) for k, v in params.items()}, {k: v.copy() for k, v in ref.step(grads).items()}
+
+
+def test_chain_with_clipping_matches_reference():
+    """clip_by_global_norm before 1-bit Adam clips each rank's local gradient, in both stages."""
+    p, clip = 4, 0.5
+    params0 = make_params(np.random.default_rng(0))
+    tx = optax.chain(optax.clip_by_global_norm(clip), onebit_adam(1e-2, freeze_step=2, weight_decay=0.01))
+    ref = NumpyOneBitAdamFull(params0, p, freeze_step=2, lr=1e-2, wd=0.01, clip_norm=clip)
+    unclipped = NumpyOneBitAdam(params0, p, freeze_step=2, lr=1e-2, wd=0.01)
+    for t, grads, got, want in run_against(tx, ref, p, steps=6, grad_scale=3.0):
+        # Every rank's gradient norm (~3 * sqrt(48)) is far above the threshold: the clip is active.
+        assert all(np.sqrt(sum(np.sum(g[k] ** 2) for k in g)) > 10 * clip for g in grads)
+        free = unclipped.step(grads)
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=2e-6, err_msg=f"step {t} leaf {k}")
+            if t >= 2:  # in both stages the clipped run differs from the unclipped one
+                assert np.abs(want[k] - free[k]).max() > 1e-3
 
 
 def test_learning_rate_schedule_and_bias_correction():
@@ -163,6 +181,39 @@ def test_learning_rate_schedule_and_bias_correction():
         delta = np.asarray(params["w"]) - prev
         np.testing.assert_allclose(delta, -sched(t - 1) * 0.5 / (0.5 + 1e-8), rtol=1e-4)  # float32 1 - b2**t
         prev = np.asarray(params["w"])
+
+
+class _UnfrozenCorrection(NumpyOneBitAdamFull):
+    """A wrong variant: the variance correction keeps following the update count after freeze_step."""
+
+    def variance_correction(self, t):
+        return 1.0 - self.b2 ** t
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_schedule_and_frozen_bias_correction_through_compression_match_reference(fused):
+    """lr = schedule(count) with count 0-based; after freeze_step the variance correction stays at its
+    freeze_step value while the momentum's keeps growing. Random gradients, so the compression stage is real."""
+    p, freeze = 4, 3
+    params0 = make_params(np.random.default_rng(5))
+    sched = optax.linear_schedule(1e-2, 1e-3, 8)
+    tx = onebit_adam(sched, freeze_step=freeze, bias_correction=True, weight_decay=0.01, fused=fused)
+    ref = NumpyOneBitAdamFull(params0, p, freeze_step=freeze, lr=None, wd=0.01, fused=fused,
+                              schedule=lambda c: float(sched(c)), bias_correction=True)
+    # Two wrong references the comparison must tell apart: the schedule read one update late, and the
+    # variance correction left running after freeze_step.
+    late = NumpyOneBitAdamFull(params0, p, freeze_step=freeze, lr=None, wd=0.01, fused=fused,
+                               schedule=lambda c: float(sched(c + 1)), bias_correction=True)
+    unfrozen = _UnfrozenCorrection(params0, p, freeze_step=freeze, lr=None, wd=0.01, fused=fused,
+                                   schedule=lambda c: float(sched(c)), bias_correction=True)
+    for t, grads, got, want in run_against(tx, ref, p, steps=8, seed=6):
+        wrong_lr = late.step(grads)
+        wrong_c2 = unfrozen.step(grads)
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=2e-6, err_msg=f"step {t} leaf {k}")
+            assert np.abs(got[k] - wrong_lr[k]).max() > 1e-4
+            if t >= freeze:  # update t + 1 > freeze_step: compression
+                assert np.abs(got[k] - wrong_c2[k]).max() > 1e-4
 
 
 @pytest.mark.parametrize(

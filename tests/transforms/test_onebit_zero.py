@@ -87,16 +87,25 @@ def test_matches_numpy_reference_and_stage0(stage, fused):
         for i, k in enumerate(keys):
             m = np.asarray(decode_rows(state.m_rows[i]))[: ref.m[k].size]
             np.testing.assert_allclose(m, ref.m[k].ravel(), rtol=1e-5, atol=1e-7)
-    # Worker errors are whole per rank; the variance is partitioned into the server chunks.
-    we = ref.we[None] if fused else ref.we["b"]
-    np.testing.assert_allclose(np.asarray(state.worker_error[0]), np.stack(we), rtol=1e-4, atol=1e-5)
-    v_ref = np.concatenate([ref.v[k].ravel() for k in keys]) if fused else ref.v["b"].ravel()
-    v_chunks = np.asarray(state.nu[0]).reshape(-1)[: v_ref.size]
-    np.testing.assert_allclose(v_chunks, v_ref, rtol=1e-5, atol=1e-9)
+    # Worker errors are whole per rank; the variance is partitioned into the server chunks. Every buffer is
+    # compared: the single fused one, or one per leaf (in sorted key order).
+    groups = [(None, keys)] if fused else [(k, [k]) for k in keys]
+    assert len(state.worker_error) == len(state.server_error) == len(state.nu) == len(groups)
+    for i, (g, members) in enumerate(groups):
+        np.testing.assert_allclose(np.asarray(state.worker_error[i]), np.stack(ref.we[g]), rtol=1e-4, atol=1e-5,
+                                   err_msg=f"worker error of {members}")
+        # Server errors: rank r holds chunk r of its buffer, like the reference's list over ranks.
+        np.testing.assert_allclose(np.asarray(state.server_error[i]), np.stack(ref.se[g]), rtol=1e-4, atol=1e-5,
+                                   err_msg=f"server error of {members}")
+        v_ref = np.concatenate([ref.v[k].ravel() for k in members])
+        v_chunks = np.asarray(state.nu[i]).reshape(-1)
+        np.testing.assert_allclose(v_chunks[: v_ref.size], v_ref, rtol=1e-5, atol=1e-9, err_msg=f"v of {members}")
+        assert not np.any(v_chunks[v_ref.size:])  # padding
+        if stage != 3:
+            np.testing.assert_allclose(np.asarray(state.nu_full[i])[: v_ref.size], v_ref, rtol=1e-5, atol=1e-9,
+                                       err_msg=f"v of {members}")
     if stage == 3:
         assert state.nu_full == ()
-    else:
-        np.testing.assert_allclose(np.asarray(state.nu_full[0])[: v_ref.size], v_ref, rtol=1e-5, atol=1e-9)
 
 
 def test_shapes_per_device_follow_the_chunks():

@@ -27,9 +27,8 @@ def test_preset_shapes(name):
     assert BertConfig.preset(name, hidden_dropout_prob=0.0).hidden_dropout_prob == 0.0
 
 
-def _torch_count(model_cls_name, config):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+def _torch_count(require, model_cls_name, config):
+    torch, transformers = require("torch"), require("transformers")
     hf_config = transformers.BertConfig(**config.to_hf_dict())
     with torch.device("meta"):
         model = getattr(transformers, model_cls_name)(hf_config)
@@ -38,12 +37,12 @@ def _torch_count(model_cls_name, config):
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
-def test_parameter_count_matches_transformers(name):
+def test_parameter_count_matches_transformers(name, require):
     c = BertConfig.preset(name)
-    assert _num_params(BertForPreTraining, c) == _torch_count("BertForPreTraining", c)
+    assert _num_params(BertForPreTraining, c) == _torch_count(require, "BertForPreTraining", c)
     if name == "base":
-        assert _num_params(BertModel, c) == _torch_count("BertModel", c)
-        assert _num_params(BertForQuestionAnswering, c) == _torch_count("BertForQuestionAnswering", c)
+        assert _num_params(BertModel, c) == _torch_count(require, "BertModel", c)
+        assert _num_params(BertForQuestionAnswering, c) == _torch_count(require, "BertForQuestionAnswering", c)
         # The published figure for BERT-base: about 110M parameters.
         assert 108e6 < _num_params(BertForPreTraining, c) < 111e6
 
@@ -55,13 +54,13 @@ def test_from_json_minilm(minilm_dir):
     assert not c.gelu_approximate
 
 
-def test_hf_dict_round_trip(tmp_path):
+def test_hf_dict_round_trip(tmp_path, require):
     c = BertConfig.preset("mini", hidden_act="gelu_new", layer_norm_eps=1e-7, type_vocab_size=3,
                           max_position_embeddings=256)
     (tmp_path / "config.json").write_text(json.dumps(c.to_hf_dict()))
     back = BertConfig.from_json(tmp_path / "config.json")
     assert back == c and back.gelu_approximate
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     hf = transformers.BertConfig(**c.to_hf_dict())
     assert (hf.hidden_act, hf.layer_norm_eps, hf.type_vocab_size, hf.max_position_embeddings) == (
         "gelu_new", 1e-7, 3, 256)

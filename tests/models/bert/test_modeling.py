@@ -17,9 +17,9 @@ def minilm(minilm_dir):
 
 
 @pytest.fixture(scope="module")
-def torch_reference(minilm_dir, minilm_batch):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+def torch_reference(minilm_dir, minilm_batch, require):
+    torch = require("torch")
+    transformers = require("transformers")
     model = transformers.BertModel.from_pretrained(str(minilm_dir), attn_implementation="eager").eval()
     ids, mask, types = (torch.tensor(a, dtype=torch.long) for a in minilm_batch)
     with torch.no_grad():
@@ -37,10 +37,11 @@ def test_minilm_matches_transformers(minilm, minilm_batch, torch_reference):
     hidden, pooled = np.asarray(out.last_hidden_state), np.asarray(out.pooler_output)
     ref_hidden, ref_pooled = torch_reference
     keep = minilm_batch[1].astype(bool)
-    # All positions, padding included (both sides use the same additive float32-minimum mask).
-    assert np.abs(hidden - ref_hidden).max() <= 1e-4
-    assert np.abs(hidden[keep] - ref_hidden[keep]).max() <= 1e-4
-    assert np.abs(pooled - ref_pooled).max() <= 1e-4
+    # All positions, padding included (both sides use the same additive float32-minimum mask): measured 2.8e-5
+    # on CPU; real tokens 2.4e-6 and the pooled output 2.2e-7.
+    assert np.abs(hidden - ref_hidden).max() <= 4e-5
+    assert np.abs(hidden[keep] - ref_hidden[keep]).max() <= 1e-5
+    assert np.abs(pooled - ref_pooled).max() <= 1e-5
     # The checkpoint is real: hidden states are far from a random model's.
     assert np.abs(ref_hidden).max() > 1.0
 
