@@ -138,7 +138,8 @@ def make_evaluate(graphdef, keys, rest, data, batch_size: int, max_batches: int)
     def evaluate(state) -> dict:
         params = jax.device_get(state.params)
         total = sum(np.asarray(sums(params, b), np.float64) for b in batches)
-        return {"mlm_loss": total[0] / total[2], "mlm_accuracy": total[1] / total[2], "nsp_accuracy": total[3] / total[4]}
+        return {"mlm_loss": total[0] / total[2], "mlm_accuracy": total[1] / total[2],
+                "nsp_accuracy": total[3] / total[4]}
 
     return evaluate
 
@@ -260,7 +261,8 @@ def _table(results: list[RunResult]) -> str:
 def add_parser(subparsers) -> None:
     """Registers ``jonebit pretrain``."""
     p = subparsers.add_parser("pretrain", help="pre-train BERT (MLM + NSP) with a DeepSpeed config",
-                              description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="DeepSpeed JSON config (default: the embedded Adam vs 1-bit Adam comparison)")
     p.add_argument("--model", default="tiny", help="tiny|mini|small|medium|base|large or hf:DIR (default tiny)")
     p.add_argument("--corpus", nargs="+", help="text files: one paragraph per line, blank line between documents "
