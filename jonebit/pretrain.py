@@ -213,6 +213,9 @@ def _prepare_data(args, out: pathlib.Path):
     from jonebit.data.tokenization import load_wordpiece, train_wordpiece
 
     corpus = [pathlib.Path(c) for c in args.corpus] if args.corpus else [embedded_corpus(out / "corpus.txt")]
+    for c in corpus:
+        if not c.is_file():
+            raise FileNotFoundError(f"no corpus file at {c}")
     if args.vocab:
         vocab = pathlib.Path(args.vocab)
         tokenizer = load_wordpiece(vocab)
@@ -315,7 +318,13 @@ def main(args) -> int:
         if embedded:
             configs = default_configs(args.max_steps, args.batch_size or 64)
         else:
-            cfg = json.loads(pathlib.Path(args.config).read_text())
+            config_path = pathlib.Path(args.config)
+            if not config_path.is_file():
+                raise FileNotFoundError(f"no DeepSpeed config at {config_path}")
+            try:
+                cfg = json.loads(config_path.read_text())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{config_path} is not JSON: {e}") from None
             if args.batch_size:
                 cfg["train_batch_size"] = args.batch_size
             if args.micro_batch:

@@ -1,0 +1,76 @@
+"""``jonebit pretrain``: the embedded default end to end (tiny settings), its HF export in transformers, bad inputs."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from jonebit.cli import main
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pretrain")
+    code = main(["pretrain", "--output", str(out), "--max-steps", "8", "--seq-len", "32", "--vocab-size", "400",
+                 "--dupe-factor", "1", "--batch-size", "32"])
+    assert code == 0
+    return out
+
+
+def test_embedded_default_writes_runs_table_and_curves(run_dir, capsys):
+    for name in ("adam", "onebit_adam"):
+        records = [json.loads(x) for x in (run_dir / name / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == list(range(1, 9))
+        assert {"eval/mlm_loss", "eval/mlm_accuracy", "eval/nsp_accuracy"} <= set(records[-1])
+        assert records[-1]["loss"] < records[0]["loss"]  # it trains
+        assert (run_dir / name / "hf" / "model.safetensors").is_file()
+    stages = [json.loads(x)["stage"] for x in (run_dir / "onebit_adam" / "metrics.jsonl").read_text().splitlines()]
+    assert stages == ["warmup"] * 2 + ["compression"] * 6  # freeze at 20% of 8 steps -> 2 (DeepSpeed's 3 - 1)
+    assert (run_dir / "curves.png").stat().st_size > 10_000
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [s["name"] for s in summary] == ["adam", "onebit_adam"]
+
+
+def test_hf_export_matches_in_transformers(run_dir):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from jonebit.models.bert import BertForPreTraining, load_hf_checkpoint
+
+    hf = run_dir / "onebit_adam" / "hf"
+    ours = load_hf_checkpoint(hf, model_cls=BertForPreTraining)
+    theirs = transformers.BertForPreTraining.from_pretrained(hf).eval()
+    vocab = (hf / "vocab.txt").read_text().splitlines()
+    assert len(vocab) == ours.config.vocab_size
+    rng = np.random.default_rng(0)
+    ids = rng.integers(5, len(vocab), (2, 16)).astype(np.int64)
+    types = np.zeros_like(ids)
+    types[:, 8:] = 1
+    mask = np.ones_like(ids)
+    out = ours(ids, mask, types, deterministic=True)
+    with torch.no_grad():
+        ref = theirs(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), token_type_ids=torch.tensor(types))
+    np.testing.assert_allclose(np.asarray(out.prediction_logits), ref.prediction_logits.numpy(), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(out.seq_relationship_logits), ref.seq_relationship_logits.numpy(),
+                               atol=1e-4)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--config", "missing.json", "--max-steps", "2"], r"no DeepSpeed config at missing.json"),
+    (["--config", "{cfg}"], r"--max-steps is required with --config"),
+    (["--corpus", "nowhere.txt", "--max-steps", "2"], r"no corpus file at nowhere.txt"),
+    (["--vocab", "nowhere-vocab.txt", "--max-steps", "2"], r"no vocabulary file at nowhere-vocab.txt"),
+    (["--model", "huge", "--max-steps", "2"], r"unknown BERT preset 'huge'"),
+    (["--config", "{cfg}", "--max-steps", "2", "--batch-size", "12"], r"train_batch_size"),
+])
+def test_bad_arguments_exit_2_with_a_message(tmp_path, capsys, argv, message):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_batch_size": 32, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}))
+    argv = [a.replace("{cfg}", str(cfg)) for a in argv]
+    code = main(["pretrain", "--output", str(tmp_path / "out"), "--seq-len", "32", "--vocab-size", "200",
+                 "--dupe-factor", "1", *argv])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert re.search(message, err), err
