@@ -77,13 +77,18 @@ def main() -> None:
         from jonebit.sharding.mesh import data_mesh, initialize_distributed
 
         initialize_distributed(timeout=60, heartbeat_timeout=10)
+        mesh = data_mesh()  # every process must join: creating the backend exchanges device topologies
         if RANK == 1:
-            time.sleep(2.0)  # rank 0 is inside the psum by now
+            flag, deadline = os.path.join(directory, "entering-psum"), time.monotonic() + 60
+            while not os.path.exists(flag) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)  # rank 0 is inside the psum by now
             print(f"exiting at {time.time():.3f}", flush=True)
             sys.exit(int(args[0]))
-        mesh = data_mesh()
-        x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), np.ones(1, np.float32))
+        # The global shape is given, so building the array needs nothing from rank 1.
+        x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), np.ones(1, np.float32), (2,))
         print("entering psum", flush=True)
+        write_pid(directory, "entering-psum", os.getpid())
         jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "data"), mesh=mesh, in_specs=P("data"), out_specs=P()))(x)
         print("psum returned", flush=True)
     else:
