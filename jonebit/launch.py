@@ -63,8 +63,11 @@ def _pump(stream, sink: TextIO, who: _Rank, lock: threading.Lock, activity: list
     prefix = f"[rank {who.rank}] "
     for line in iter(stream.readline, ""):
         with lock:
-            sink.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
-            sink.flush()
+            try:
+                sink.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
+                sink.flush()
+            except (OSError, ValueError):
+                pass  # our own output is gone (say, piped into ``head``): keep draining so the rank never blocks
             now = time.monotonic()
             who.last_line, who.last_output = line.rstrip("\n"), now
             activity[0] = now
@@ -340,15 +343,28 @@ def _stop(ranks: Sequence[_Rank], grace_period: float) -> None:
             r.proc.wait()
 
 
+_EPILOG = """\
+example:
+  jonebit launch --nproc 2 --devices-per-proc 2 --timeout 3600 -- python train.py --steps 10
+
+exit codes:
+  0        every process succeeded
+  N        the first process to fail exited with N (128+S if killed by signal S); the others were stopped
+  124      --timeout or --no-progress-timeout expired; the running processes' last lines were printed
+  128+S    the launcher received signal S (SIGINT, SIGTERM or SIGHUP) and forwarded it to every process
+  2, 127   bad arguments; program not found
+
+The processes die with the launcher, even when it is killed with SIGKILL (Linux: parent-death signal).
+"""
+
+
 def add_parser(subparsers) -> None:
     """Registers ``jonebit launch`` on an argparse subparsers object."""
     p = subparsers.add_parser(
         "launch",
         help="run a program as N cooperating JAX processes on this host",
         description=__doc__.split("\n\n")[0],
-        epilog="example: jonebit launch --nproc 2 --devices-per-proc 2 --timeout 3600 -- python train.py --steps 10"
-        "\nexit code: 0 on success; else the first failing rank's code (128+N if killed by signal N), "
-        "124 after --timeout / --no-progress-timeout, 128+N if the launcher got signal N",
+        epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--nproc", "--nproc-per-node", type=int, required=True, help="processes on this host")
