@@ -66,6 +66,11 @@ def main() -> None:
         for step in range(3000):
             print(f"step {step} on rank {RANK}", flush=True)
             time.sleep(0.2)
+    elif mode == "flood":
+        # More output than a pipe holds (64 KiB), then a file saying this rank got to the end.
+        for i in range(3000):
+            print(f"{i:5d} " + "x" * 80, flush=True)
+        write_pid(directory, f"done{RANK}", os.getpid())
     elif mode == "jax-exit":
         # ARGS: exit code. Rank 1 leaves with sys.exit before a collective that rank 0 already waits in.
         os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -363,3 +363,21 @@ def test_no_progress_timeout_reports_last_lines(job_dir):
     assert f"rank 1 (pid {pids[1]}): last line " in err and "s ago: 'step 1 on rank 1'" in err, err
     assert 2 <= reported - last_output < 3.5, reported - last_output
     assert still_alive_after(pids, str(job_dir), 2) == []
+
+
+def test_closed_launcher_output_does_not_block_ranks(job_dir):
+    """``jonebit launch ... | head -1``: once the reader is gone the launcher keeps draining the ranks' pipes, so
+    a rank printing more than a pipe holds still runs to its end (and the job still succeeds)."""
+    proc = subprocess.Popen(
+        [PY, "-m", "jonebit", "launch", "--nproc", "2", "--", PY, str(LAUNCH_WORKER), "flood", str(job_dir)],
+        cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout.readline().startswith("[rank ")
+        proc.stdout.close()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert sorted(p.name for p in job_dir.glob("done*")) == ["done0", "done1"]
