@@ -6,12 +6,16 @@ Each process gets ``JONEBIT_COORDINATOR`` (``127.0.0.1:<free port>`` unless give
 
 Failures: the first process to exit non-zero is named at once with its exit code (or the signal that killed
 it), e.g. ``rank 1 exited with code 4``; the others are stopped (SIGTERM, then SIGKILL after
-``--grace-period``) and the launcher exits with that process's code (128 + N for signal N).
+``--grace-period``) and the launcher exits with that process's code (128 + N for signal N). A process counts as
+failed once it has exited: under ``jax.distributed`` leave with ``sys.exit(n)`` or an exception, which
+``initialize_distributed`` turns into an immediate exit, not ``raise SystemExit(n)``, which waits in jax's
+shutdown barrier (``shutdown_timeout``, 30 s) until the peers abort.
 
 Lifetime: every process runs in its own process group; SIGINT (Ctrl-C), SIGTERM and SIGHUP sent to the launcher
 are forwarded to every group, so a process's own children get them too (a second signal kills at once). On Linux
 each process also gets a parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``), so it dies with the
-launcher even when the launcher itself is killed with SIGKILL and cannot forward anything.
+launcher even when the launcher itself is killed with SIGKILL and cannot forward anything (that covers the
+processes the launcher started, not children they start themselves, which only get the forwarded signals).
 
 Hangs: ``--timeout SECONDS`` bounds the whole job; ``--no-progress-timeout SECONDS`` stops it when no process has
 printed a line (stdout or stderr) for that long, so let at least one rank print regularly (e.g. a loss per
