@@ -381,3 +381,29 @@ def test_closed_launcher_output_does_not_block_ranks(job_dir):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert sorted(p.name for p in job_dir.glob("done*")) == ["done0", "done1"]
+
+
+RACE = """
+import os, sys, time
+from jonebit.launch import _die_with_parent
+directory, launcher = sys.argv[1], os.getpid()
+preexec = _die_with_parent()
+if os.fork() == 0:
+    while os.getppid() == launcher:  # the launcher dies between fork and prctl ...
+        time.sleep(0.01)
+    with open(os.path.join(directory, "child.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    preexec()  # ... so no parent-death signal will ever come: the child must end itself
+    open(os.path.join(directory, "survived"), "w").close()
+    os._exit(0)
+os._exit(0)
+"""
+
+
+@linux_only
+def test_child_whose_launcher_died_before_prctl_ends_itself(job_dir):
+    subprocess.run([PY, "-c", RACE, str(job_dir)], cwd=ROOT, env=worker_env(), timeout=60, check=True)
+    (pid,) = read_pids(job_dir, ["child.pid"], timeout=20)
+    assert still_alive_after([pid], str(job_dir), 5) == []
+    time.sleep(0.2)
+    assert not (job_dir / "survived").exists()
