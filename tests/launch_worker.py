@@ -71,8 +71,8 @@ def main() -> None:
         for i in range(3000):
             print(f"{i:5d} " + "x" * 80, flush=True)
         write_pid(directory, f"done{RANK}", os.getpid())
-    elif mode == "jax-exit":
-        # ARGS: exit code. Rank 1 leaves with sys.exit before a collective that rank 0 already waits in.
+    elif mode == "jax":
+        # ARGS: "exit N" | "hang". Rank 1 leaves with sys.exit(N), or hangs, once rank 0 waits in a psum.
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         import jax
         import numpy as np
@@ -88,8 +88,11 @@ def main() -> None:
             while not os.path.exists(flag) and time.monotonic() < deadline:
                 time.sleep(0.05)
             time.sleep(0.5)  # rank 0 is inside the psum by now
+            if args[0] == "hang":
+                print("hanging", flush=True)
+                sleep_forever()
             print(f"exiting at {time.time():.3f}", flush=True)
-            sys.exit(int(args[0]))
+            sys.exit(int(args[1]))
         # The global shape is given, so building the array needs nothing from rank 1.
         x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), np.ones(1, np.float32), (2,))
         print("entering psum", flush=True)

@@ -319,7 +319,7 @@ def test_jax_rank_exit_code_is_named_at_once(job_dir):
     """A jax.distributed rank leaving with sys.exit(4) while its peer waits in a psum: named with code 4 at once
     (not after jax's 30 s shutdown barrier as rank 0 killed by SIGABRT)."""
     run = Run("--nproc", "2", "--devices-per-proc", "1", "--grace-period", "1", "--",
-              PY, LAUNCH_WORKER, "jax-exit", job_dir, "4")
+              PY, LAUNCH_WORKER, "jax", job_dir, "exit", "4")
     exited = run.when("out", "[rank 1] exiting at", timeout=90)
     reported = run.when("err", "jonebit launch: rank")
     assert run.wait(timeout=60) == 4, run.text("err")[-3000:]
@@ -327,6 +327,24 @@ def test_jax_rank_exit_code_is_named_at_once(job_dir):
     assert "[rank 0] entering psum" in run.text("out")
     assert reported - exited < 2, reported - exited
     assert still_alive_after(read_pids(job_dir, ["rank0.pid", "rank1.pid"]), str(job_dir), 2) == []
+
+
+@linux_only
+@pytest.mark.multiprocess
+def test_jax_rank_hanging_before_a_collective_is_reported(job_dir):
+    """Rank 1 hangs while rank 0 waits for it in a psum: --no-progress-timeout stops the job well before jax's
+    own 30 s timeouts and shows where each rank was (rank 0: entering the psum; rank 1: its last words)."""
+    run = Run("--nproc", "2", "--devices-per-proc", "1", "--no-progress-timeout", "4", "--grace-period", "1",
+              "--", PY, LAUNCH_WORKER, "jax", job_dir, "hang")
+    hung = run.when("out", "[rank 1] hanging", timeout=90)
+    reported = run.when("err", "jonebit launch: no rank printed a line for 4s")
+    assert run.wait(timeout=60) == 124, run.text("err")[-3000:]
+    err = run.text("err")
+    pids = read_pids(job_dir, ["rank0.pid", "rank1.pid"])
+    assert re.search(rf"rank 0 \(pid {pids[0]}\): last line \d+\.\ds ago: 'entering psum'", err), err
+    assert re.search(rf"rank 1 \(pid {pids[1]}\): last line \d+\.\ds ago: 'hanging'", err), err
+    assert 4 <= reported - hung < 6, reported - hung
+    assert still_alive_after(pids, str(job_dir), 2) == []
 
 
 @linux_only
