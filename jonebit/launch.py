@@ -18,9 +18,10 @@ launcher even when the launcher itself is killed with SIGKILL and cannot forward
 processes the launcher started, not children they start themselves, which only get the forwarded signals).
 
 Hangs: ``--timeout SECONDS`` bounds the whole job; ``--no-progress-timeout SECONDS`` stops it when no process has
-printed a line (stdout or stderr) for that long, so let at least one rank print regularly (e.g. a loss per
-step) when using it. Either way the launcher lists the processes still running with the last line each printed
-and how long ago, stops them like a failure, and exits with code 124.
+printed a line (stdout or stderr) for that long, counting from the launch: let at least one rank print
+regularly (e.g. a loss per step) and leave room for silent startup (imports, ``jax.distributed``, compilation).
+Either way the launcher lists the processes still running with the last line each printed and how long ago,
+stops them like a failure, and exits with code 124.
 """
 
 from __future__ import annotations
@@ -381,8 +382,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="stop the whole job after SECONDS, report each running rank's last line, exit 124")
     p.add_argument("--no-progress-timeout", type=float, default=None, metavar="SECONDS",
-                   help="stop the job when no rank has printed a line (stdout or stderr) for SECONDS, "
-                   "report each running rank's last line, exit 124")
+                   help="stop the job when no rank has printed a line (stdout or stderr) for SECONDS, counting "
+                   "from the launch (leave room for startup and compilation); report each running rank's last "
+                   "line, exit 124")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- program [args...]")
     p.set_defaults(func=_run)
 

@@ -73,6 +73,8 @@ def main() -> None:
         write_pid(directory, f"done{RANK}", os.getpid())
     elif mode == "jax":
         # ARGS: "exit N" | "hang". Rank 1 leaves with sys.exit(N), or hangs, once rank 0 waits in a psum.
+        # A line after each slow startup step: --no-progress-timeout counts from the launch.
+        print("importing jax", flush=True)
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         import jax
         import numpy as np
@@ -82,7 +84,9 @@ def main() -> None:
         from jonebit.sharding.mesh import data_mesh, initialize_distributed
 
         initialize_distributed(timeout=60, heartbeat_timeout=10)
+        print("initialized", flush=True)
         mesh = data_mesh()  # every process must join: creating the backend exchanges device topologies
+        print("mesh ready", flush=True)
         if RANK == 1:
             flag, deadline = os.path.join(directory, "entering-psum"), time.monotonic() + 60
             while not os.path.exists(flag) and time.monotonic() < deadline:
