@@ -353,7 +353,7 @@ def test_jax_rank_hanging_before_a_collective_is_reported(job_dir):
     pids = read_pids(job_dir, ["rank0.pid", "rank1.pid"])
     assert re.search(rf"rank 0 \(pid {pids[0]}\): last line \d+\.\ds ago: 'entering psum'", err), err
     assert re.search(rf"rank 1 \(pid {pids[1]}\): last line \d+\.\ds ago: 'hanging'", err), err
-    assert 8 <= reported - hung < 10, reported - hung
+    assert 7.8 <= reported - hung < 10, reported - hung
     assert still_alive_after(pids, str(job_dir), 2) == []
 
 
@@ -389,7 +389,8 @@ def test_no_progress_timeout_reports_last_lines(job_dir):
     pids = read_pids(job_dir, ["rank0.pid", "rank1.pid"])
     assert re.search(rf"rank 0 \(pid {pids[0]}\): last line 3\.\ds ago: 'step 2 on rank 0'", err), err
     assert f"rank 1 (pid {pids[1]}): last line " in err and "s ago: 'step 1 on rank 1'" in err, err
-    assert 3 <= reported - last_output < 4.5, reported - last_output
+    # Stamped as this test reads the lines, a little after the launcher saw them: a small slack below 3 s.
+    assert 2.8 <= reported - last_output < 4.5, reported - last_output
     assert still_alive_after(pids, str(job_dir), 2) == []
 
 
