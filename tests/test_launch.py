@@ -316,9 +316,9 @@ def test_failing_rank_is_named_at_once(job_dir, worker_args, code, message):
     assert reported - exited < 1.5, reported - exited
     finished = run.start + run.seconds
     if "stubborn" in worker_args:
-        assert grace - 0.1 < finished - reported < grace + 3, finished - reported  # SIGTERM ignored, then SIGKILL
+        assert grace - 0.1 < finished - reported < grace + 6, finished - reported  # SIGTERM ignored, then SIGKILL
     else:
-        assert finished - reported < 3, finished - reported
+        assert finished - reported < 6, finished - reported  # not the ranks' 600 s sleep
     pids = read_pids(job_dir, [f"rank{r}.pid" for r in range(3)])
     assert still_alive_after(pids, str(job_dir), 2) == []
 
@@ -373,7 +373,7 @@ def test_timeout_stops_job_and_reports_last_lines(job_dir):
         assert last.startswith("step ")
         assert f"jonebit launch:   rank {r} (pid {pid}): last line " in err
         assert f"s ago: {last!r}" in err, (last, err)
-    assert 5 <= run.seconds < 5 + 1 + 5, run.seconds
+    assert 5 <= run.seconds < 20, run.seconds  # plus the launcher's own start and exit
     assert still_alive_after(pids, str(job_dir), 2) == []
 
 
