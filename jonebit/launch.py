@@ -2,21 +2,40 @@
 
 Each process gets ``JONEBIT_COORDINATOR`` (``127.0.0.1:<free port>`` unless given), ``JONEBIT_NUM_PROCESSES``,
 ``JONEBIT_PROCESS_ID`` and ``JONEBIT_LOCAL_RANK``; the program joins the job with
-:func:`jonebit.sharding.mesh.initialize_distributed`. Output lines are prefixed with ``[rank R]``. When one
-process fails the others are stopped (SIGTERM, then SIGKILL after a grace period) and the launcher exits with
-that process's code, naming the rank. SIGINT/SIGTERM sent to the launcher are forwarded to every process.
+:func:`jonebit.sharding.mesh.initialize_distributed`. Output lines are prefixed with ``[rank R]``.
+
+Failures: the first process to exit non-zero is named at once with its exit code (or the signal that killed
+it), e.g. ``rank 1 exited with code 4``; the others are stopped (SIGTERM, then SIGKILL after
+``--grace-period``) and the launcher exits with that process's code (128 + N for signal N). A process counts as
+failed once it has exited: under ``jax.distributed`` leave with ``sys.exit(n)`` or an exception, which
+``initialize_distributed`` turns into an immediate exit, not ``raise SystemExit(n)``, which waits in jax's
+shutdown barrier (``shutdown_timeout``, 30 s) until the peers abort.
+
+Lifetime: every process runs in its own process group; SIGINT (Ctrl-C), SIGTERM and SIGHUP sent to the launcher
+are forwarded to every group, so a process's own children get them too (a second signal kills at once). On Linux
+each process also gets a parent-death signal (``prctl(PR_SET_PDEATHSIG, SIGKILL)``), so it dies with the
+launcher even when the launcher itself is killed with SIGKILL and cannot forward anything (that covers the
+processes the launcher started, not children they start themselves, which only get the forwarded signals).
+
+Hangs: ``--timeout SECONDS`` bounds the whole job; ``--no-progress-timeout SECONDS`` stops it when no process has
+printed a line (stdout or stderr) for that long, counting from the launch: let at least one rank print
+regularly (e.g. a loss per step) and leave room for silent startup (imports, ``jax.distributed``, compilation).
+Either way the launcher lists the processes still running with the last line each printed and how long ago,
+stops them like a failure, and exits with code 124.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TextIO
 
 from jonebit.sharding.mesh import (
@@ -27,14 +46,36 @@ from jonebit.sharding.mesh import (
 )
 
 ENV_LOCAL_RANK = "JONEBIT_LOCAL_RANK"
+TIMEOUT_EXIT_CODE = 124  # as coreutils ``timeout``: the job was stopped for running too long / going silent
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_POLL_SECONDS = 0.05
 
 
-def _pump(stream, sink: TextIO, prefix: str, lock: threading.Lock) -> None:
-    """Copies lines from a child's pipe to ``sink`` with ``prefix``; one lock so lines never interleave."""
+@dataclasses.dataclass
+class _Rank:
+    """One launched process and what the launcher last heard from it."""
+
+    rank: int
+    proc: subprocess.Popen
+    last_line: str | None = None
+    last_output: float | None = None  # time.monotonic() of the last line
+
+
+def _pump(stream, sink: TextIO, who: _Rank, lock: threading.Lock, activity: list[float]) -> None:
+    """Copies lines from a child's pipe to ``sink`` with a ``[rank R]`` prefix; one lock so lines never
+    interleave. Records each line and its time for the hang reports."""
+    prefix = f"[rank {who.rank}] "
     for line in iter(stream.readline, ""):
         with lock:
-            sink.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
-            sink.flush()
+            try:
+                sink.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
+                sink.flush()
+            except (OSError, ValueError):
+                pass  # our own output is gone (say, piped into ``head``): keep draining so the rank never blocks
+            now = time.monotonic()
+            who.last_line, who.last_output = line.rstrip("\n"), now
+            activity[0] = now
     stream.close()
 
 
@@ -49,9 +90,59 @@ def _describe(code: int) -> str:
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     try:
-        os.killpg(proc.pid, sig)  # the child and whatever it started
+        os.killpg(proc.pid, sig)  # the child and whatever it started in its group
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` giving the child SIGKILL when the launcher dies (Linux; None elsewhere).
+
+    Runs in the forked child before ``exec``; the setting survives ``exec``. If the launcher already died
+    between ``fork`` and ``prctl`` the signal would never come, hence the ``getppid`` check. The signal fires
+    when the *thread* that started the child ends: :func:`launch` waits for its children in that same thread.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not in the child
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+def _check_args(command, nproc, devices_per_proc, nnodes, node_rank, coordinator, grace_period, timeout,
+                no_progress_timeout) -> None:
+    """Raises ValueError naming the bad argument, what it must be and what was given."""
+    if not command:
+        raise ValueError("jonebit launch: no command given (usage: jonebit launch --nproc N -- python train.py)")
+    if nproc < 1:
+        raise ValueError(f"jonebit launch: --nproc must be >= 1, got {nproc}")
+    if devices_per_proc is not None and devices_per_proc < 1:
+        raise ValueError(f"jonebit launch: --devices-per-proc must be >= 1, got {devices_per_proc}")
+    if nnodes < 1:
+        raise ValueError(f"jonebit launch: --nnodes must be >= 1, got {nnodes}")
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"jonebit launch: --node-rank must be in [0, --nnodes={nnodes}), got {node_rank}")
+    if nnodes > 1 and not coordinator:
+        raise ValueError("jonebit launch: --nnodes > 1 needs --coordinator host:port (process 0's host)")
+    if coordinator is not None:
+        host, _, port = coordinator.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"jonebit launch: --coordinator must be host:port with a port in 1..65535, "
+                             f"got {coordinator!r}")
+    if not grace_period >= 0:
+        raise ValueError(f"jonebit launch: --grace-period must be >= 0 seconds, got {grace_period}")
+    for flag, value in (("--timeout", timeout), ("--no-progress-timeout", no_progress_timeout)):
+        if value is not None and not value > 0:
+            raise ValueError(f"jonebit launch: {flag} must be > 0 seconds (leave it out for no limit), got {value}")
 
 
 def launch(
@@ -64,6 +155,8 @@ def launch(
     coordinator: str | None = None,
     env: Mapping[str, str] | None = None,
     grace_period: float = 5.0,
+    timeout: float | None = None,
+    no_progress_timeout: float | None = None,
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
 ) -> int:
@@ -78,23 +171,19 @@ def launch(
       coordinator: ``host:port``; default: a free port on 127.0.0.1 (single host only).
       env: base environment (default ``os.environ``).
       grace_period: seconds between SIGTERM and SIGKILL when stopping processes.
+      timeout: seconds the whole job may run (None: no limit).
+      no_progress_timeout: seconds the job may go without any process printing a line (None: no limit).
+      stdout, stderr: where the processes' prefixed lines and the launcher's messages go (default: sys's).
 
     Returns:
       0 if every process succeeded; otherwise the first failing process's exit code (128 + signal number for a
-      process killed by a signal).
+      process killed by a signal), 124 after ``timeout`` / ``no_progress_timeout``, 128 + N after the
+      launcher received signal N.
     """
     stdout = stdout or sys.stdout
     stderr = stderr or sys.stderr
-    if not command:
-        raise ValueError("jonebit launch: no command given (usage: jonebit launch --nproc N -- python train.py)")
-    if nproc < 1:
-        raise ValueError(f"jonebit launch: --nproc must be >= 1, got {nproc}")
-    if devices_per_proc is not None and devices_per_proc < 1:
-        raise ValueError(f"jonebit launch: --devices-per-proc must be >= 1, got {devices_per_proc}")
-    if nnodes < 1 or not 0 <= node_rank < nnodes:
-        raise ValueError(f"jonebit launch: need nnodes >= 1 and 0 <= node_rank < nnodes, got {nnodes}, {node_rank}")
-    if nnodes > 1 and not coordinator:
-        raise ValueError("jonebit launch: --nnodes > 1 needs --coordinator host:port (process 0's host)")
+    _check_args(command, nproc, devices_per_proc, nnodes, node_rank, coordinator, grace_period, timeout,
+                no_progress_timeout)
     coordinator = coordinator or f"127.0.0.1:{free_port('127.0.0.1')}"
     world = nnodes * nproc
     base = dict(os.environ if env is None else env)
@@ -103,21 +192,25 @@ def launch(
         base["JAX_NUM_CPU_DEVICES"] = str(devices_per_proc)
 
     lock = threading.Lock()
-    procs: list[subprocess.Popen] = []
+    ranks: list[_Rank] = []
     pumps: list[threading.Thread] = []
     received: list[int] = []
+    start = time.monotonic()
+    activity = [start]  # when any rank last printed a line
 
     def forward(signum, _frame):
         received.append(signum)
-        for p in procs:
-            if p.poll() is None:
-                _signal_group(p, signum)
+        for r in ranks:
+            if r.proc.poll() is None:
+                _signal_group(r.proc, signal.SIGKILL if len(received) > 1 else signum)
 
     old_handlers = {}
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in FORWARDED_SIGNALS:
             old_handlers[sig] = signal.signal(sig, forward)
+    preexec = _die_with_parent()
     try:
+        # Every process is started before any pump thread: forking with preexec_fn is safest single-threaded.
         for local in range(nproc):
             rank = node_rank * nproc + local
             child_env = dict(base)
@@ -137,38 +230,80 @@ def launch(
                 text=True,
                 errors="replace",
                 bufsize=1,
-                start_new_session=True,  # own process group: we decide who gets which signal
+                start_new_session=True,  # own process group: signals reach the rank and its children
+                preexec_fn=preexec,
             )
-            procs.append(p)
-            for stream, sink in ((p.stdout, stdout), (p.stderr, stderr)):
-                t = threading.Thread(target=_pump, args=(stream, sink, f"[rank {rank}] ", lock), daemon=True)
+            ranks.append(_Rank(rank, p))
+        for r in ranks:
+            for stream, sink in ((r.proc.stdout, stdout), (r.proc.stderr, stderr)):
+                t = threading.Thread(target=_pump, args=(stream, sink, r, lock, activity), daemon=True)
                 t.start()
                 pumps.append(t)
-        return _supervise(procs, node_rank * nproc, grace_period, received, stderr, lock)
+        limits = _Limits(start, timeout, no_progress_timeout, activity)
+        return _supervise(ranks, grace_period, received, limits, _Say(stderr, lock))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                _signal_group(p, signal.SIGKILL)
-                p.wait()
+        for r in ranks:
+            if r.proc.poll() is None:
+                _signal_group(r.proc, signal.SIGKILL)
+                r.proc.wait()
         for t in pumps:
             t.join(timeout=2)
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
 
 
-def _supervise(procs, first_rank, grace_period, received, stderr, lock) -> int:
-    """Waits for all processes; on the first failure stops the rest and returns that failure's code."""
+@dataclasses.dataclass
+class _Say:
+    """Writes ``jonebit launch: ...`` lines to the launcher's stderr, between the ranks' lines."""
 
-    def say(msg):
-        with lock:
-            stderr.write(f"jonebit launch: {msg}\n")
-            stderr.flush()
+    sink: TextIO
+    lock: threading.Lock
 
+    def __call__(self, *lines: str) -> None:
+        with self.lock:
+            for line in lines:
+                self.sink.write(f"jonebit launch: {line}\n")
+            self.sink.flush()
+
+
+@dataclasses.dataclass
+class _Limits:
+    start: float
+    timeout: float | None
+    no_progress_timeout: float | None
+    activity: list[float]
+
+    def expired(self, now: float) -> str | None:
+        """Why the job must stop now (a message), or None."""
+        if self.timeout is not None and now - self.start > self.timeout:
+            return f"job timed out after {self.timeout:g}s (--timeout)"
+        if self.no_progress_timeout is not None and now - self.activity[0] > self.no_progress_timeout:
+            return f"no rank printed a line for {self.no_progress_timeout:g}s (--no-progress-timeout)"
+        return None
+
+
+def _running_report(ranks: Sequence[_Rank], now: float) -> list[str]:
+    """One line per rank still running: its last output line and how long ago it came."""
+    lines = []
+    for r in ranks:
+        if r.proc.poll() is not None:
+            continue
+        if r.last_output is None:
+            lines.append(f"  rank {r.rank} (pid {r.proc.pid}): no output yet")
+        else:
+            lines.append(f"  rank {r.rank} (pid {r.proc.pid}): last line {now - r.last_output:.1f}s ago: "
+                         f"{r.last_line[:200]!r}")
+    return lines
+
+
+def _supervise(ranks: Sequence[_Rank], grace_period: float, received: list[int], limits: _Limits, say) -> int:
+    """Waits for all processes; on the first failure, signal or expired limit stops the rest and returns the
+    job's code."""
     signalled_at = None
     while True:
-        codes = [p.poll() for p in procs]
+        codes = [r.proc.poll() for r in ranks]
         if received:
-            # Forwarded SIGINT/SIGTERM: give the processes the grace period to finish, then kill them.
+            # Forwarded SIGINT/SIGTERM/SIGHUP: give the processes the grace period to finish, then kill them.
             # (jax installs a SIGTERM handler for preemption notices, so SIGTERM alone may not end a rank.)
             signalled_at = signalled_at or time.monotonic()
             name = signal.Signals(received[0]).name
@@ -177,32 +312,55 @@ def _supervise(procs, first_rank, grace_period, received, stderr, lock) -> int:
                 return 128 + received[0]
             if time.monotonic() - signalled_at > grace_period or len(received) > 1:
                 say(f"stopped by {name}; killing ranks still running after {grace_period:g}s")
-                _stop(procs, 0.0)
+                _stop(ranks, 0.0)
                 return 128 + received[0]
-        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        failed = [(r, c) for r, c in zip(ranks, codes, strict=True) if c not in (None, 0)]
         if failed and not received:
-            # Several may have failed by now; report the earliest rank among them (the others are fallout).
-            i, code = failed[0]
-            others = [first_rank + j for j, c in enumerate(codes) if c is None]
-            say(f"rank {first_rank + i} {_describe(code)}" + (f"; stopping ranks {others}" if others else ""))
-            _stop(procs, grace_period)
+            # Polled every 50 ms: several failures seen at once are near-simultaneous; the lowest rank is named.
+            r, code = failed[0]
+            others = [o.rank for o, c in zip(ranks, codes, strict=True) if c is None]
+            say(f"rank {r.rank} {_describe(code)}" + (f"; stopping ranks {others}" if others else ""))
+            _stop(ranks, grace_period)
             return code if code > 0 else 128 + (-code)
         if all(c == 0 for c in codes):
             return 0
-        time.sleep(0.05)
+        now = time.monotonic()
+        reason = limits.expired(now) if not received else None
+        if reason:
+            report = _running_report(ranks, now)
+            say(f"{reason}; stopping {len(report)} rank(s) still running:", *report)
+            _stop(ranks, grace_period)
+            return TIMEOUT_EXIT_CODE
+        time.sleep(_POLL_SECONDS)
 
 
-def _stop(procs, grace_period) -> None:
-    for p in procs:
-        if p.poll() is None:
-            _signal_group(p, signal.SIGTERM)
+def _stop(ranks: Sequence[_Rank], grace_period: float) -> None:
+    """SIGTERM to every running process group, SIGKILL to those still running ``grace_period`` s later."""
+    for r in ranks:
+        if r.proc.poll() is None:
+            _signal_group(r.proc, signal.SIGTERM)
     deadline = time.monotonic() + grace_period
-    for p in procs:
+    for r in ranks:
         try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            _signal_group(p, signal.SIGKILL)
-            p.wait()
+            _signal_group(r.proc, signal.SIGKILL)
+            r.proc.wait()
+
+
+_EPILOG = """\
+example:
+  jonebit launch --nproc 2 --devices-per-proc 2 --timeout 3600 -- python train.py --steps 10
+
+exit codes:
+  0        every process succeeded
+  N        the first process to fail exited with N (128+S if killed by signal S); the others were stopped
+  124      --timeout or --no-progress-timeout expired; the running processes' last lines were printed
+  128+S    the launcher received signal S (SIGINT, SIGTERM or SIGHUP) and forwarded it to every process
+  2, 127   bad arguments; program not found
+
+The processes die with the launcher, even when it is killed with SIGKILL (Linux: parent-death signal).
+"""
 
 
 def add_parser(subparsers) -> None:
@@ -211,14 +369,22 @@ def add_parser(subparsers) -> None:
         "launch",
         help="run a program as N cooperating JAX processes on this host",
         description=__doc__.split("\n\n")[0],
-        epilog="example: jonebit launch --nproc 2 --devices-per-proc 2 -- python train.py --steps 10",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--nproc", "--nproc-per-node", type=int, required=True, help="processes on this host")
     p.add_argument("--devices-per-proc", type=int, default=None, help="CPU devices per process (JAX_NUM_CPU_DEVICES)")
     p.add_argument("--nnodes", type=int, default=1, help="hosts in the job (run the launcher once per host)")
     p.add_argument("--node-rank", type=int, default=0, help="this host's index in [0, nnodes)")
     p.add_argument("--coordinator", default=None, help="host:port of process 0 (default: free port on 127.0.0.1)")
-    p.add_argument("--grace-period", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL")
+    p.add_argument("--grace-period", type=float, default=5.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping the processes (default 5)")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="stop the whole job after SECONDS, report each running rank's last line, exit 124")
+    p.add_argument("--no-progress-timeout", type=float, default=None, metavar="SECONDS",
+                   help="stop the job when no rank has printed a line (stdout or stderr) for SECONDS, counting "
+                   "from the launch (leave room for startup and compilation); report each running rank's last "
+                   "line, exit 124")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- program [args...]")
     p.set_defaults(func=_run)
 
@@ -234,6 +400,8 @@ def _run(args) -> int:
             node_rank=args.node_rank,
             coordinator=args.coordinator,
             grace_period=args.grace_period,
+            timeout=args.timeout,
+            no_progress_timeout=args.no_progress_timeout,
         )
     except ValueError as e:
         print(str(e), file=sys.stderr)

@@ -1,11 +1,14 @@
-"""``jonebit launch``: environment, rank-prefixed output, failure propagation, signal forwarding."""
+"""``jonebit launch``: environment, rank-prefixed output, bad arguments, failure reports, signal forwarding,
+ranks dying with the launcher, --timeout / --no-progress-timeout."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -18,13 +21,79 @@ PY = sys.executable
 
 
 def launcher(*args, timeout=120):
-    """Runs ``python -m jonebit launch ARGS`` as a subprocess; returns (code, stdout, stderr, seconds)."""
-    start = time.monotonic()
-    proc = subprocess.run(
-        [PY, "-m", "jonebit", "launch", *args], cwd=ROOT, env=worker_env(), capture_output=True, text=True,
-        timeout=timeout,
-    )
-    return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start
+    """Runs ``python -m jonebit launch ARGS``; returns (code, stdout, stderr, seconds). Kills the launcher's
+    process group on timeout (its ranks die with it: parent-death signal)."""
+    run = Run(*args)
+    code = run.wait(timeout)
+    return code, run.text("out"), run.text("err"), run.seconds
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_launchers():
+    """A test that fails half-way leaves no launcher behind (its ranks then die with it)."""
+    yield
+    while Run.started:
+        Run.started.pop().kill()
+
+
+class Run:
+    """``python -m jonebit launch ARGS`` in its own session, every output line time-stamped as it arrives."""
+
+    started: list[Run] = []
+
+    def __init__(self, *args):
+        Run.started.append(self)
+        self.start = time.monotonic()
+        self.proc = subprocess.Popen(
+            [PY, "-m", "jonebit", "launch", *map(str, args)], cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        self.lines = {"out": [], "err": []}  # (time.monotonic(), line)
+        self.readers = [
+            threading.Thread(target=self._read, args=(stream, self.lines[key]), daemon=True)
+            for key, stream in (("out", self.proc.stdout), ("err", self.proc.stderr))
+        ]
+        for t in self.readers:
+            t.start()
+        self.seconds = None
+
+    @staticmethod
+    def _read(stream, sink):
+        for line in iter(stream.readline, ""):
+            sink.append((time.monotonic(), line.rstrip("\n")))
+
+    def wait(self, timeout):
+        """The launcher's exit code; fails the test (after killing the process group) past ``timeout``."""
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"jonebit launch still running after {timeout}s:\n{self.text('err')[-3000:]}")
+        self.seconds = time.monotonic() - self.start
+        for t in self.readers:
+            t.join(timeout=5)
+        return code
+
+    def kill(self):
+        if self.proc.poll() is None:  # once reaped, its pid (and group id) may belong to someone else
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def text(self, key):
+        return "".join(line + "\n" for _, line in self.lines[key])
+
+    def when(self, key, needle, timeout=60):
+        """Time the first line containing ``needle`` arrived, waiting for it up to ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for t, line in list(self.lines[key]):
+                if needle in line:
+                    return t
+            if time.monotonic() > deadline or (self.proc.poll() is not None and not self.readers[0].is_alive()
+                                               and not self.readers[1].is_alive()):
+                self.kill()
+                pytest.fail(f"no line with {needle!r} on std{key} within {timeout}s:\n{self.text(key)[-3000:]}")
+            time.sleep(0.02)
 
 
 def test_env_and_rank_prefixes(capsys):
@@ -51,14 +120,45 @@ def test_multi_node_ranks(capsys):
 @pytest.mark.parametrize(
     "argv,match",
     [
-        (["--nproc", "0", "--", PY, "-c", "pass"], "--nproc must be >= 1"),
-        (["--nproc", "2"], "no command given"),
-        (["--nproc", "2", "--nnodes", "2", "--", PY], "needs --coordinator"),
-        (["--nproc", "1", "--devices-per-proc", "0", "--", PY], "--devices-per-proc must be >= 1"),
+        (["--nproc", "0", "--", PY, "-c", "pass"], "--nproc must be >= 1, got 0"),
+        (["--nproc", "2"], "no command given (usage: jonebit launch --nproc N -- python train.py)"),
+        (["--nproc", "2", "--"], "no command given"),
+        (["--nproc", "2", "--nnodes", "2", "--", PY], "--nnodes > 1 needs --coordinator host:port"),
+        (["--nproc", "1", "--devices-per-proc", "0", "--", PY], "--devices-per-proc must be >= 1, got 0"),
+        (["--nproc", "1", "--nnodes", "0", "--", PY], "--nnodes must be >= 1, got 0"),
+        (["--nproc", "1", "--nnodes", "2", "--node-rank", "2", "--coordinator", "h:1", "--", PY],
+         "--node-rank must be in [0, --nnodes=2), got 2"),
+        (["--nproc", "1", "--node-rank", "-1", "--", PY], "--node-rank must be in [0, --nnodes=1), got -1"),
+        (["--nproc", "1", "--coordinator", "head", "--", PY],
+         "--coordinator must be host:port with a port in 1..65535, got 'head'"),
+        (["--nproc", "1", "--coordinator", "head:99999", "--", PY],
+         "--coordinator must be host:port with a port in 1..65535, got 'head:99999'"),
+        (["--nproc", "1", "--coordinator", ":1234", "--", PY],
+         "--coordinator must be host:port with a port in 1..65535, got ':1234'"),
+        (["--nproc", "1", "--grace-period", "-1", "--", PY], "--grace-period must be >= 0 seconds, got -1.0"),
+        (["--nproc", "1", "--timeout", "0", "--", PY],
+         "--timeout must be > 0 seconds (leave it out for no limit), got 0.0"),
+        (["--nproc", "1", "--timeout", "nan", "--", PY], "--timeout must be > 0 seconds"),
+        (["--nproc", "1", "--no-progress-timeout", "-5", "--", PY], "--no-progress-timeout must be > 0 seconds"),
     ],
 )
 def test_bad_arguments(capsys, argv, match):
     assert main(["launch", *argv]) == 2
+    assert "jonebit launch: " + match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--nproc", "two", "--", PY], "argument --nproc/--nproc-per-node: invalid int value: 'two'"),
+        (["--", PY], "the following arguments are required: --nproc"),
+        (["--nproc", "1", "--timeout", "soon", "--", PY], "argument --timeout: invalid float value: 'soon'"),
+    ],
+)
+def test_unparsable_arguments(capsys, argv, match):
+    with pytest.raises(SystemExit) as exc:
+        main(["launch", *argv])
+    assert exc.value.code == 2
     assert match in capsys.readouterr().err
 
 
@@ -116,3 +216,223 @@ def test_signal_is_forwarded_and_children_end():
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 128 + signal.SIGTERM
     assert "stopped by SIGTERM" in err
+
+
+# --- process lifetime, failure reports and hang detection (tests/launch_worker.py) ---------------------------
+
+LAUNCH_WORKER = ROOT / "tests" / "launch_worker.py"
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal and /proc: Linux")
+
+
+def alive(pid: int, marker: str) -> bool:
+    """Whether ``pid`` is a live (not zombie) process whose command line holds ``marker``: a pid recycled by an
+    unrelated process does not count."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X") and marker.encode() in cmdline
+
+
+def read_pids(directory, names, timeout=60) -> list[int]:
+    deadline = time.monotonic() + timeout
+    paths = [directory / n for n in names]
+    while not all(p.exists() for p in paths):
+        assert time.monotonic() < deadline, f"pid files {names} not all written within {timeout}s"
+        time.sleep(0.05)
+    return [int(p.read_text()) for p in paths]
+
+
+def still_alive_after(pids, marker, seconds) -> list[int]:
+    """Polls until every pid is gone or ``seconds`` pass; returns those still alive."""
+    deadline = time.monotonic() + seconds
+    while True:
+        left = [p for p in pids if alive(p, marker)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def job_dir(tmp_path):
+    """Directory for the workers' pid files; at teardown any process of ours still alive is SIGKILLed by pid."""
+    yield tmp_path
+    for path in tmp_path.glob("*.pid"):
+        pid = int(path.read_text())
+        if alive(pid, str(tmp_path)):
+            os.kill(pid, signal.SIGKILL)
+
+
+@linux_only
+def test_sigkill_of_launcher_kills_every_rank(job_dir):
+    run = Run("--nproc", "3", "--", PY, LAUNCH_WORKER, "sleep", job_dir)
+    for r in range(3):
+        run.when("out", f"[rank {r}] ready {r}")
+    pids = read_pids(job_dir, [f"rank{r}.pid" for r in range(3)])
+    assert all(alive(p, str(job_dir)) for p in pids)
+    os.kill(run.proc.pid, signal.SIGKILL)  # the launcher alone: no chance to forward anything
+    assert run.wait(timeout=10) == -signal.SIGKILL
+    assert still_alive_after(pids, str(job_dir), 5) == []
+
+
+@linux_only
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_to_launcher_stops_ranks_and_their_children(job_dir, sig):
+    run = Run("--nproc", "2", "--grace-period", "2", "--", PY, LAUNCH_WORKER, "sleep", job_dir, "child")
+    for r in range(2):
+        run.when("out", f"[rank {r}] ready {r}")
+    pids = read_pids(job_dir, [f"{kind}{r}.pid" for kind in ("rank", "child") for r in range(2)])
+    assert all(alive(p, str(job_dir)) for p in pids)
+    os.kill(run.proc.pid, sig)
+    assert run.wait(timeout=30) == 128 + sig
+    assert f"jonebit launch: stopped by {signal.Signals(sig).name}" in run.text("err")
+    assert still_alive_after(pids, str(job_dir), 2) == []
+
+
+@linux_only
+@pytest.mark.parametrize(
+    "worker_args,code,message",
+    [
+        (["fail", "1", "4"], 4, "rank 1 exited with code 4; stopping ranks [0, 2]"),
+        (["kill", "1"], 128 + signal.SIGKILL, "rank 1 was killed by signal SIGKILL; stopping ranks [0, 2]"),
+        (["fail", "2", "7", "stubborn"], 7, "rank 2 exited with code 7; stopping ranks [0, 1]"),
+    ],
+    ids=["exit-4", "sigkill", "others-ignore-sigterm"],
+)
+def test_failing_rank_is_named_at_once(job_dir, worker_args, code, message):
+    """The report comes within ~1 s of the rank's exit; the others are stopped (SIGKILL after the grace period
+    when they ignore SIGTERM) and the launcher returns the failing rank's code."""
+    grace = 1.5
+    run = Run("--nproc", "3", "--grace-period", grace, "--", PY, LAUNCH_WORKER, worker_args[0], job_dir,
+              *worker_args[1:])
+    failing = message.split()[1]
+    exited = run.when("out", f"[rank {failing}] exiting at")
+    reported = run.when("err", "jonebit launch: rank")
+    assert run.wait(timeout=60) == code, run.text("err")[-3000:]
+    assert f"jonebit launch: {message}" in run.text("err")
+    assert reported - exited < 1.5, reported - exited
+    finished = run.start + run.seconds
+    if "stubborn" in worker_args:
+        assert grace - 0.1 < finished - reported < grace + 6, finished - reported  # SIGTERM ignored, then SIGKILL
+    else:
+        assert finished - reported < 6, finished - reported  # not the ranks' 600 s sleep
+    pids = read_pids(job_dir, [f"rank{r}.pid" for r in range(3)])
+    assert still_alive_after(pids, str(job_dir), 2) == []
+
+
+@linux_only
+@pytest.mark.multiprocess
+def test_jax_rank_exit_code_is_named_at_once(job_dir):
+    """A jax.distributed rank leaving with sys.exit(4) while its peer waits in a psum: named with code 4 at once
+    (not after jax's 30 s shutdown barrier as rank 0 killed by SIGABRT)."""
+    run = Run("--nproc", "2", "--devices-per-proc", "1", "--grace-period", "1", "--",
+              PY, LAUNCH_WORKER, "jax", job_dir, "exit", "4")
+    exited = run.when("out", "[rank 1] exiting at", timeout=90)
+    reported = run.when("err", "jonebit launch: rank")
+    assert run.wait(timeout=60) == 4, run.text("err")[-3000:]
+    assert "jonebit launch: rank 1 exited with code 4; stopping ranks [0]" in run.text("err")
+    assert "[rank 0] entering psum" in run.text("out")
+    assert reported - exited < 2, reported - exited
+    assert still_alive_after(read_pids(job_dir, ["rank0.pid", "rank1.pid"]), str(job_dir), 2) == []
+
+
+@linux_only
+@pytest.mark.multiprocess
+def test_jax_rank_hanging_before_a_collective_is_reported(job_dir):
+    """Rank 1 hangs while rank 0 waits for it in a psum: --no-progress-timeout stops the job before jax's own
+    30 s timeouts and shows where each rank was (rank 0: entering the psum; rank 1: its last words)."""
+    run = Run("--nproc", "2", "--devices-per-proc", "1", "--no-progress-timeout", "8", "--grace-period", "1",
+              "--", PY, LAUNCH_WORKER, "jax", job_dir, "hang")
+    hung = run.when("out", "[rank 1] hanging", timeout=90)
+    reported = run.when("err", "jonebit launch: no rank printed a line for 8s")
+    assert run.wait(timeout=60) == 124, run.text("err")[-3000:]
+    err = run.text("err")
+    pids = read_pids(job_dir, ["rank0.pid", "rank1.pid"])
+    assert re.search(rf"rank 0 \(pid {pids[0]}\): last line \d+\.\ds ago: 'entering psum'", err), err
+    assert re.search(rf"rank 1 \(pid {pids[1]}\): last line \d+\.\ds ago: 'hanging'", err), err
+    assert 7.8 <= reported - hung < 10, reported - hung
+    assert still_alive_after(pids, str(job_dir), 2) == []
+
+
+@linux_only
+def test_timeout_stops_job_and_reports_last_lines(job_dir):
+    """--timeout fires although the ranks keep printing (so --no-progress-timeout does not); the report names
+    each rank with the last line it printed."""
+    run = Run("--nproc", "2", "--timeout", "5", "--no-progress-timeout", "2.5", "--grace-period", "1", "--",
+              PY, LAUNCH_WORKER, "chatty", job_dir)
+    assert run.wait(timeout=60) == 124, run.text("err")[-3000:]
+    err, out = run.text("err"), run.text("out")
+    assert "jonebit launch: job timed out after 5s (--timeout); stopping 2 rank(s) still running:" in err, err
+    assert "--no-progress-timeout" not in err
+    pids = read_pids(job_dir, ["rank0.pid", "rank1.pid"])
+    for r, pid in enumerate(pids):
+        last = [ln for ln in out.splitlines() if ln.startswith(f"[rank {r}] ")][-1].removeprefix(f"[rank {r}] ")
+        assert last.startswith("step ")
+        assert f"jonebit launch:   rank {r} (pid {pid}): last line " in err
+        assert f"s ago: {last!r}" in err, (last, err)
+    assert 5 <= run.seconds < 20, run.seconds  # plus the launcher's own start and exit
+    assert still_alive_after(pids, str(job_dir), 2) == []
+
+
+@linux_only
+def test_no_progress_timeout_reports_last_lines(job_dir):
+    run = Run("--nproc", "2", "--no-progress-timeout", "3", "--grace-period", "1", "--",
+              PY, LAUNCH_WORKER, "quiet", job_dir)
+    last_output = run.when("err", "[rank 0] step 2 on rank 0")
+    reported = run.when("err", "jonebit launch: no rank printed a line")
+    assert run.wait(timeout=60) == 124, run.text("err")[-3000:]
+    err = run.text("err")
+    assert "jonebit launch: no rank printed a line for 3s (--no-progress-timeout); stopping 2 rank(s)" in err
+    pids = read_pids(job_dir, ["rank0.pid", "rank1.pid"])
+    assert re.search(rf"rank 0 \(pid {pids[0]}\): last line 3\.\ds ago: 'step 2 on rank 0'", err), err
+    assert f"rank 1 (pid {pids[1]}): last line " in err and "s ago: 'step 1 on rank 1'" in err, err
+    # Stamped as this test reads the lines, a little after the launcher saw them: a small slack below 3 s.
+    assert 2.8 <= reported - last_output < 4.5, reported - last_output
+    assert still_alive_after(pids, str(job_dir), 2) == []
+
+
+def test_closed_launcher_output_does_not_block_ranks(job_dir):
+    """``jonebit launch ... | head -1``: once the reader is gone the launcher keeps draining the ranks' pipes, so
+    a rank printing more than a pipe holds still runs to its end (and the job still succeeds)."""
+    proc = subprocess.Popen(
+        [PY, "-m", "jonebit", "launch", "--nproc", "2", "--", PY, str(LAUNCH_WORKER), "flood", str(job_dir)],
+        cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout.readline().startswith("[rank ")
+        proc.stdout.close()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert sorted(p.name for p in job_dir.glob("done*")) == ["done0", "done1"]
+
+
+RACE = """
+import os, sys, time
+from jonebit.launch import _die_with_parent
+directory, launcher = sys.argv[1], os.getpid()
+preexec = _die_with_parent()
+if os.fork() == 0:
+    while os.getppid() == launcher:  # the launcher dies between fork and prctl ...
+        time.sleep(0.01)
+    with open(os.path.join(directory, "child.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    preexec()  # ... so no parent-death signal will ever come: the child must end itself
+    open(os.path.join(directory, "survived"), "w").close()
+    os._exit(0)
+os._exit(0)
+"""
+
+
+@linux_only
+def test_child_whose_launcher_died_before_prctl_ends_itself(job_dir):
+    subprocess.run([PY, "-c", RACE, str(job_dir)], cwd=ROOT, env=worker_env(), timeout=60, check=True)
+    (pid,) = read_pids(job_dir, ["child.pid"], timeout=20)
+    assert still_alive_after([pid], str(job_dir), 5) == []
+    time.sleep(0.2)
+    assert not (job_dir / "survived").exists()
