@@ -402,7 +402,7 @@ def convert_examples_to_features(
                           strict=True))
 
     plans = []
-    for i, ex in enumerate(examples):
+    for i in range(len(examples)):
         tp = tokenized[par_index[i]]
         query = questions[i][:max_query_length]
         spans = doc_windows(len(tp.ids), max_seq_length - len(query) - 3, doc_stride)
@@ -465,9 +465,31 @@ def basic_tokenize(text: str, tokenizer: WordPiece) -> list[str]:
     return [piece for piece, _ in tok.pre_tokenizer.pre_tokenize_str(tok.normalizer.normalize_str(text))]
 
 
-def _strip_spaces(text: str) -> tuple[str, list[int]]:
-    kept = [i for i, c in enumerate(text) if c != " "]
-    return "".join(text[i] for i in kept), kept
+def _nonspace_to_index(text: str, k: int) -> int:
+    """Index in ``text`` of its ``k``-th character that is not a space."""
+    pos = 0
+    for piece in text.split(" "):
+        if k < len(piece):
+            return pos + k
+        k -= len(piece)
+        pos += len(piece) + 1
+    raise IndexError(k)
+
+
+def _align(pred_text: str, orig_text: str, tok_text: str) -> str:
+    """run_squad's ``get_final_text`` given ``tok_text``, the basic tokens of ``orig_text`` joined by spaces."""
+    start = tok_text.find(pred_text)
+    end = start + len(pred_text) - 1
+    if start == -1 or end < start:
+        return orig_text
+    # Characters correspond one to one once spaces are dropped, if normalisation kept the length.
+    if len(orig_text) - orig_text.count(" ") != len(tok_text) - tok_text.count(" "):
+        return orig_text
+    if tok_text[start] == " " or tok_text[end] == " ":
+        return orig_text
+    ns_start = start - tok_text.count(" ", 0, start)
+    ns_end = end - tok_text.count(" ", 0, end)
+    return orig_text[_nonspace_to_index(orig_text, ns_start):_nonspace_to_index(orig_text, ns_end) + 1]
 
 
 def get_final_text(pred_text: str, orig_text: str, tokenizer: WordPiece) -> str:
@@ -477,19 +499,7 @@ def get_final_text(pred_text: str, orig_text: str, tokenizer: WordPiece) -> str:
     original by dropping spaces on both sides (which works when normalisation kept the length of the text). When
     either step fails the whole ``orig_text`` is returned, as in run_squad.
     """
-    tok_text = " ".join(basic_tokenize(orig_text, tokenizer))
-    start = tok_text.find(pred_text)
-    if start == -1:
-        return orig_text
-    end = start + len(pred_text) - 1
-    orig_ns, orig_ns_to_s = _strip_spaces(orig_text)
-    tok_ns, tok_ns_to_s = _strip_spaces(tok_text)
-    if len(orig_ns) != len(tok_ns):
-        return orig_text
-    tok_s_to_ns = {s: ns for ns, s in enumerate(tok_ns_to_s)}
-    if start not in tok_s_to_ns or end not in tok_s_to_ns:
-        return orig_text
-    return orig_text[orig_ns_to_s[tok_s_to_ns[start]]:orig_ns_to_s[tok_s_to_ns[end]] + 1]
+    return _align(pred_text, orig_text, " ".join(basic_tokenize(orig_text, tokenizer)))
 
 
 def detokenize(tokens: Sequence[str]) -> str:
@@ -498,13 +508,32 @@ def detokenize(tokens: Sequence[str]) -> str:
     return " ".join(text.strip().split())
 
 
+class _SpanTexts:
+    """Answer texts of token spans; caches the basic tokens of each word (a span's are those of its words)."""
+
+    def __init__(self, features: SquadFeatures, tokenizer: WordPiece):
+        self.features, self.tokenizer = features, tokenizer
+        self.vocab = tokenizer.vocab
+        self.word_tokens: dict[str, str] = {}
+
+    def _basic(self, word: str) -> str:
+        text = self.word_tokens.get(word)
+        if text is None:
+            text = self.word_tokens[word] = " ".join(basic_tokenize(word, self.tokenizer))
+        return text
+
+    def __call__(self, example: SquadExample, row: int, start: int, end: int) -> str:
+        tok_text = detokenize([self.vocab[t] for t in self.features.input_ids[row, start:end + 1]])
+        first, last = self.features.token_to_word[row, start], self.features.token_to_word[row, end]
+        words = example.paragraph.words[first:last + 1]
+        basic = " ".join(b for b in map(self._basic, words) if b)
+        return _align(tok_text, " ".join(words), basic)
+
+
 def span_text(example: SquadExample, features: SquadFeatures, row: int, start: int, end: int,
               tokenizer: WordPiece) -> str:
     """The answer text of tokens ``start..end`` (inclusive) of feature ``row``, in the original context."""
-    tok_text = detokenize([tokenizer.vocab[t] for t in features.input_ids[row, start:end + 1]])
-    first, last = features.token_to_word[row, start], features.token_to_word[row, end]
-    orig_text = " ".join(example.paragraph.words[first:last + 1])
-    return get_final_text(tok_text, orig_text, tokenizer)
+    return _SpanTexts(features, tokenizer)(example, row, start, end)
 
 
 def _best_indexes(logits: np.ndarray, n: int) -> np.ndarray:
@@ -561,6 +590,7 @@ def postprocess_predictions(
     rows_of = collections.defaultdict(list)
     for row, ex in enumerate(features.example_index):
         rows_of[int(ex)].append(row)
+    span_texts = _SpanTexts(features, tokenizer)
     predictions, nbest_all = {}, {}
     for i, example in enumerate(examples):
         candidates = []  # (score, row, start, end, start_logit, end_logit), in run_squad's generation order
@@ -579,7 +609,7 @@ def postprocess_predictions(
         for _, row, a, b, sl, el in candidates:
             if len(nbest) >= n_best_size:
                 break
-            text = span_text(example, features, row, a, b, tokenizer)
+            text = span_texts(example, row, a, b)
             if text in seen:
                 continue
             seen.add(text)

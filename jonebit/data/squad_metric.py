@@ -117,6 +117,8 @@ def evaluate(dataset, predictions: Mapping[str, str]) -> dict[str, float]:
             raise ValueError(f"predictions[{qa['id']!r}]: expected the answer text (a string), got "
                              f"{type(prediction).__name__}")
         ground_truths = [a["text"] for a in qa["answers"]]
+        if not ground_truths:
+            raise ValueError(f"dataset: question {qa['id']!r} has no gold answers; every SQuAD v1.1 question has one")
         exact_match += max_over_ground_truths(exact_match_score, prediction, ground_truths)
         f1 += max_over_ground_truths(f1_score, prediction, ground_truths)
     if total == 0:
