@@ -139,9 +139,9 @@ def _expect(cond: bool, where: str, what: str) -> None:
                          '"answers": [{"text": str, "answer_start": int}]}]}]}]}')
 
 
-def _read_json(source) -> Mapping:
-    if isinstance(source, Mapping):
-        return source
+def _read_json(source):
+    if not isinstance(source, str | os.PathLike):
+        return source  # already parsed; checked by the caller
     path = pathlib.Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"no SQuAD file at {path}; get the official files with `jonebit squad-download DIR`")
