@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import http.client
 import logging
 import os
 import pathlib
@@ -75,7 +76,7 @@ def _fetch(url: str, part: pathlib.Path, expected: OfficialFile, opener: Callabl
                                         f"{expected.name}; not the official file")
                 h.update(chunk)
                 out.write(chunk)
-    except (urllib.error.URLError, OSError) as e:
+    except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
         raise DownloadError(f"could not download {url}: {e}") from e
     if size != expected.size:
         raise DownloadError(f"{url}: got {size:,} bytes, the official {expected.name} has {expected.size:,} "
