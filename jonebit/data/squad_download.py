@@ -92,7 +92,7 @@ def download_squad(
     *,
     base_url: str = OFFICIAL_BASE_URL,
     files: Mapping[str, OfficialFile] = SQUAD_V1_1,
-    opener: Callable = urllib.request.urlopen,
+    opener: Callable | None = None,
     timeout: float = 60.0,
 ) -> dict[str, pathlib.Path]:
     """Fetches the SQuAD v1.1 ``splits`` into ``directory``, verified.
@@ -102,12 +102,13 @@ def download_squad(
       splits: any of ``"train"`` and ``"dev"``.
       base_url: the URL the file names are appended to.
       files: split -> expected file; the official ones by default.
-      opener: ``urllib.request.urlopen`` or a replacement with its call signature.
+      opener: a replacement for ``urllib.request.urlopen`` (the default), with its call signature.
       timeout: seconds to wait on the network per read.
 
     Returns:
       split -> path of the verified file.
     """
+    opener = opener or urllib.request.urlopen
     unknown = [s for s in splits if s not in files]
     if unknown or not splits:
         raise ValueError(f"splits: expected some of {sorted(files)}, got {list(splits)}")

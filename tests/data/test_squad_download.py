@@ -116,8 +116,6 @@ def test_squad_download_command_reports_failure(monkeypatch, tmp_path, capsys):
         raise OSError(f"no network in tests ({url})")
 
     monkeypatch.setattr("urllib.request.urlopen", refuse)
-    monkeypatch.setattr("jonebit.data.squad_download.download_squad.__kwdefaults__",
-                        {**download_squad.__kwdefaults__, "opener": refuse})
     assert main(["squad-download", str(tmp_path), "--split", "dev"]) == 1
     err = capsys.readouterr().err
     assert "could not download https://rajpurkar.github.io/SQuAD-explorer/dataset/dev-v1.1.json" in err
