@@ -22,9 +22,10 @@ Everything follows Google's original BERT ``run_squad.py`` so that a model score
   which keeps the context's case, accents and punctuation.
 
 Differences from the original, all deliberate: a paragraph is tokenized once for all of its questions (the same
-tokens as per question); when a file's ``answer_start`` does not point at the answer text (the rebuilt train
-file in ``../shared/data/squad`` has approximate offsets) the nearest occurrence of the text is used, and
-answers whose text is nowhere in the context are counted, logged and left out. The tokenizer is the
+tokens as per question); when a file's ``answer_start`` does not point at the answer text (files rebuilt from
+other sources can have shifted offsets) the nearest occurrence of the text is used, and answers whose text is
+nowhere in the context are counted, logged and left out. An offset that points at another occurrence of the
+same text cannot be told apart and is used as given. The tokenizer is the
 ``tokenizers`` implementation wrapped by :class:`~jonebit.data.tokenization.WordPiece`; it gives ``[UNK]`` for a
 word over 100 characters (the original: 200) and keeps a literal ``[SEP]``/``[CLS]`` in a text as that token.
 """
