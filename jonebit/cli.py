@@ -8,7 +8,13 @@ import sys
 from collections.abc import Sequence
 
 # Modules with an ``add_parser(subparsers)`` that sets ``func`` (args -> exit code). Add new subcommands here.
-SUBCOMMAND_MODULES = ("jonebit.launch", "jonebit.plot", "jonebit.train.config_cli", "jonebit.pretrain", "jonebit.squad_cli")
+SUBCOMMAND_MODULES = (
+    "jonebit.launch",
+    "jonebit.plot",
+    "jonebit.pretrain",
+    "jonebit.squad_cli",
+    "jonebit.train.config_cli",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
