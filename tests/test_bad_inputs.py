@@ -213,6 +213,8 @@ CASES = [
      ValueError, r"BERT config .*config\.json: num_attention_heads must be positive, got 0"),
     ("config-dropout", lambda p: BertConfig.from_json(write_config(p, hidden_dropout_prob=1.5)),
      ValueError, r"BERT config .*config\.json: hidden_dropout_prob must be in \[0, 1\), got 1\.5"),
+    ("config-bool-size", lambda _: BertConfig.tiny(vocab_size=True),
+     TypeError, r"^vocab_size must be an integer, got True \(bool\)$"),
     ("config-dict-type", lambda _: BertConfig.from_dict([("vocab_size", 3)]),
      TypeError, r"a BERT config must be a dict \(a JSON object\), got list"),
     # --- HuggingFace checkpoint directories
@@ -338,6 +340,11 @@ def test_config_json_with_null_pad_token_loads(tmp_path):
     """HuggingFace writes pad_token_id null for some models; the type check lets it through."""
     c = BertConfig.from_json(write_config(tmp_path, pad_token_id=None))
     assert c.pad_token_id is None and c.hidden_size == CONFIG.hidden_size
+
+
+def test_config_accepts_numpy_scalars():
+    c = BertConfig.tiny(vocab_size=np.int64(100), hidden_dropout_prob=np.float32(0.25))
+    assert c.vocab_size == 100 and c.hidden_dropout_prob == 0.25
 
 
 def test_checkpoint_round_trip_still_loads(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import numbers
 import os
 from typing import Any
 
@@ -78,9 +79,9 @@ def _check_type(name: str, value) -> None:
     if name in _STR_FIELDS:
         ok, expected = isinstance(value, str), "a string"
     elif name in _FLOAT_FIELDS:
-        ok, expected = isinstance(value, int | float) and not isinstance(value, bool), "a number"
+        ok, expected = isinstance(value, numbers.Real) and not isinstance(value, bool), "a number"
     else:
-        ok, expected = isinstance(value, int) and not isinstance(value, bool), "an integer"
+        ok, expected = isinstance(value, numbers.Integral) and not isinstance(value, bool), "an integer"
     if not ok:
         raise TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
 
