@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+import jonebit
 from jonebit.models.bert import BertConfig, BertModel, load_hf_checkpoint, save_hf_checkpoint
 from jonebit.sharding import zero_shardings
 from jonebit.sharding.mesh import data_mesh
@@ -70,8 +71,8 @@ def call_make_update(grads):
     return make_update(tx, mesh(), specs, grad_reduce="mean")(params, state, grads)
 
 
-def call_zero_step(b, stage=1):
-    tx = optax.adam(1e-2)
+def call_zero_step(b, stage=1, onebit=False):
+    tx = jonebit.onebit_adam(1e-2, freeze_step=2, zero_stage=stage) if onebit else optax.adam(1e-2)
     params, state, sh = init_zero(tx, params0(), mesh(), stage=stage)
     return make_zero_step(loss_fn, tx, mesh(), sh, donate=False)(params, state, b)
 
@@ -163,6 +164,9 @@ CASES = [
     # --- ZeRO
     ("zero-step-not-divisible", lambda _: call_zero_step(batch(20)),
      ValueError, r"make_zero_step's step: batch\['x'\] has shape \(20, 4\); its dimension 0 \(20\) must be "
+                 r"divisible by the 8 devices of mesh axis 'data'"),
+    ("zero-onebit-step-not-divisible", lambda _: call_zero_step(batch(12), stage=2, onebit=True),
+     ValueError, r"make_zero_step's step: batch\['x'\] has shape \(12, 4\); its dimension 0 \(12\) must be "
                  r"divisible by the 8 devices of mesh axis 'data'"),
     ("zero-step-scalar-leaf", lambda _: call_zero_step({**batch(), "y": np.float32(0.0)}, stage=3),
      ValueError, r"make_zero_step's step: batch\['y'\] has shape \(\) but the batch layout"),
