@@ -33,6 +33,10 @@ def replicate(tree, mesh: jax.sharding.Mesh):
     The steps donate their params: ``jax.device_put`` to a replicated sharding reuses the source buffer where
     it can (even with ``may_alias=False`` on jax 0.10), so without the copy the first step would delete the
     caller's arrays.
+
+    Args:
+      tree: pytree of arrays (host, one device, or any layout on ``mesh``); left untouched.
+      mesh: the mesh to replicate over.
     """
     return place_copy(tree, jax.NamedSharding(mesh, P()))
 
