@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import itertools
+import operator
 import os
 import re
 import socket
@@ -305,9 +306,51 @@ def _install_fail_fast_hook() -> None:
 def data_mesh(num_devices: int | None = None, axis: str = "data") -> Mesh:
     """A 1-D mesh, axis ``axis`` with explicit sharding, over every device of every process (or the first
     ``num_devices`` of ``jax.devices()``, which lists all processes' devices in process order)."""
+    if not isinstance(axis, str) or not axis:
+        raise ValueError(f"data_mesh: axis must be a non-empty string (the mesh axis name), got {axis!r}")
     if num_devices is None:
         return jax.make_mesh((jax.device_count(),), (axis,), axis_types=(AxisType.Explicit,))
+    if isinstance(num_devices, bool) or not hasattr(num_devices, "__index__"):
+        raise TypeError(f"data_mesh: num_devices must be an int or None, got {num_devices!r}")
+    num_devices = operator.index(num_devices)
     if not 1 <= num_devices <= jax.device_count():
         raise ValueError(f"data_mesh: num_devices={num_devices} but there are {jax.device_count()} devices")
     devices = jax.devices()[:num_devices]
     return jax.make_mesh((num_devices,), (axis,), axis_types=(AxisType.Explicit,), devices=devices)
+
+
+def check_batch(tree, mesh: Mesh, spec, *, where: str, name: str = "batch") -> None:
+    """Raises a ``ValueError`` naming the leaf unless every leaf of ``tree`` can be laid out by ``spec``.
+
+    Each leaf needs at least as many dimensions as ``spec`` has entries, and every dimension that ``spec``
+    splits over mesh axes must be divisible by their total size. Works on arrays and tracers (shapes are
+    static), so a jitted step can call it while tracing.
+
+    Args:
+      tree: the batch (pytree of arrays).
+      mesh: the mesh the batch is split over.
+      spec: its ``PartitionSpec`` (e.g. ``P("data")``: leading dimension over the data axis).
+      where: the function the batch was given to, for the message.
+      name: the argument's name, for the message.
+    """
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        shape = tuple(getattr(x, "shape", ()))
+        leaf = f"{name}{jax.tree_util.keystr(path)}"
+        if len(shape) < len(spec):
+            raise ValueError(
+                f"{where}: {leaf} has shape {shape} but the batch layout {spec} splits {len(spec)} dimension(s); "
+                "give every batch leaf a leading batch dimension (a scalar cannot be split over devices)"
+            )
+        for d, entry in enumerate(spec):
+            axes = () if entry is None else tuple(entry) if isinstance(entry, tuple | list) else (entry,)
+            if not axes:
+                continue
+            size = 1
+            for a in axes:
+                size *= mesh.shape[a]
+            if shape[d] % size:
+                raise ValueError(
+                    f"{where}: {leaf} has shape {shape}; its dimension {d} ({shape[d]}) must be divisible by the "
+                    f"{size} devices of mesh axis {'/'.join(map(repr, axes))}. Use a global batch size that is a "
+                    f"multiple of {size} (drop or pad the last partial batch)"
+                )

@@ -18,7 +18,8 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jonebit.sharding.mesh import data_mesh
+from jonebit.sharding.mesh import check_batch, data_mesh
+from jonebit.sharding.zero import place_copy
 from jonebit.transforms.onebit_adam import sharded_init
 
 __all__ = ["data_mesh", "init_optimizer", "make_step", "make_update", "replicate", "shard_batch"]
@@ -27,20 +28,49 @@ _REDUCE = (None, "mean", "mean_bf16")
 
 
 def replicate(tree, mesh: jax.sharding.Mesh):
-    return jax.device_put(tree, jax.NamedSharding(mesh, P()))
+    """``tree`` replicated on every device of ``mesh``, in new buffers.
+
+    The steps donate their params: ``jax.device_put`` to a replicated sharding reuses the source buffer where
+    it can (even with ``may_alias=False`` on jax 0.10), so without the copy the first step would delete the
+    caller's arrays.
+
+    Args:
+      tree: pytree of arrays (host, one device, or any layout on ``mesh``); left untouched.
+      mesh: the mesh to replicate over.
+    """
+    return place_copy(tree, jax.NamedSharding(mesh, P()))
 
 
 def shard_batch(tree, mesh: jax.sharding.Mesh, axis: str = "data"):
-    """Puts a global batch (leading dimension divisible by the axis size) on the mesh, split over ``axis``."""
-    size = mesh.shape[axis]
-    for path, x in jax.tree_util.tree_leaves_with_path(tree):
-        if x.shape[0] % size:
-            raise ValueError(
-                f"batch leaf {jax.tree_util.keystr(path)} has leading dimension {x.shape[0]}, "
-                f"not divisible by the {size} devices of axis {axis!r}"
-            )
-    return jax.device_put(tree, jax.NamedSharding(mesh, P(axis)))
+    """Puts a global batch (leading dimension divisible by the axis size) on the mesh, split over ``axis``.
 
+    The result has its own buffers (``jax.device_put`` hands back an array that already has this layout, and
+    on a one-device mesh it aliases the source), so a step that donates it cannot delete the caller's batch.
+
+    Args:
+      tree: pytree of arrays, each with a leading batch dimension.
+      mesh: the mesh; ``axis`` must be one of its axes.
+      axis: the data-parallel axis the batch is split over.
+    """
+    if axis not in mesh.shape:
+        raise ValueError(f"shard_batch: mesh has no axis {axis!r} (axes: {tuple(mesh.shape)})")
+    check_batch(tree, mesh, P(axis), where="shard_batch", name="tree")
+    return place_copy(tree, jax.NamedSharding(mesh, P(axis)))
+
+
+def _check_grads(grads, params, size: int) -> None:
+    """``make_update``'s ``local_grads``: the params' tree, each leaf stacked over the ``size`` ranks."""
+    g_def, p_def = jax.tree.structure(grads), jax.tree.structure(params)
+    if g_def != p_def:
+        raise ValueError(f"make_update: local_grads must have the tree structure of params; got {g_def}, "
+                         f"params have {p_def}")
+    for (path, g), p in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(params), strict=True):
+        expected = (size, *p.shape)
+        if tuple(g.shape) != expected:
+            raise ValueError(
+                f"make_update: local_grads{jax.tree_util.keystr(path)} has shape {tuple(g.shape)}, expected "
+                f"{expected} (one row per rank of the {size}-device axis, then the parameter's shape)"
+            )
 
 def init_optimizer(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh, axis: str = "data"):
     """``(opt_state, specs)``: the optimizer state as global arrays and its shard_map specs."""
@@ -83,7 +113,12 @@ def make_step(
         return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, axis)
 
     mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), opt_specs, P(axis)), out_specs=(P(), opt_specs, P()))
-    return jax.jit(mapped, donate_argnums=(0, 1) if donate else ())
+
+    def step(params, opt_state, batch):
+        check_batch(batch, mesh, P(axis), where="make_step's step")  # shapes are static: checked while tracing
+        return mapped(params, opt_state, batch)
+
+    return jax.jit(step, donate_argnums=(0, 1) if donate else ())
 
 
 def make_update(tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, opt_specs, *, axis: str = "data",
@@ -106,4 +141,9 @@ def make_update(tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, opt_s
         return optax.apply_updates(params, updates), opt_state
 
     mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), opt_specs, P(axis)), out_specs=(P(), opt_specs))
-    return jax.jit(mapped, donate_argnums=(0, 1))
+
+    def update(params, opt_state, local_grads):
+        _check_grads(local_grads, params, mesh.shape[axis])
+        return mapped(params, opt_state, local_grads)
+
+    return jax.jit(update, donate_argnums=(0, 1))

@@ -3,12 +3,15 @@
 The shardings come from :func:`jonebit.sharding.zero_shardings`; this module only applies them. One step:
 
 1. **gradients**, inside ``jax.shard_map`` over the data axis: each device differentiates the loss of its batch
-   shard and the gradients are reduced *explicitly*: an all-reduce mean (stages 0, 1), a reduce-scatter
-   (``lax.psum_scatter``) straight into each leaf's shard (stages 2, 3). At stage 3 the parameters enter as
-   shards and are all-gathered for compute; autodiff turns that all-gather into the reduce-scatter of the
-   gradient, so no device ever holds the full summed gradient. Explicit collectives keep the communication the
-   same on every backend (XLA:CPU turns a sharding constraint into all-reduce + slice, GPUs into
-   reduce-scatter);
+   shard and the gradients are reduced *explicitly*: an all-reduce mean (stage 0), a reduce-scatter
+   (``lax.psum_scatter``) straight into each leaf's shard (stages 1-3; at stage 1 into the optimizer state's
+   layout, as DeepSpeed's stage 1 does, so that with the all-gather of step 2 it moves stage 0's bytes rather
+   than 1.5 times as many). At stage 3 the parameters enter as shards and are all-gathered for compute;
+   autodiff turns that all-gather into the reduce-scatter of the gradient, so no device ever holds the full
+   summed gradient. Inside one jitted step stages 1 and 2 thus compile alike (the full gradient is a temporary
+   either way); they differ in :func:`make_zero_grads`, whose stage-1 gradients come back whole. Explicit
+   collectives keep the communication the same on every backend (XLA:CPU turns a sharding constraint into
+   all-reduce + slice, GPUs into reduce-scatter);
 2. **optimizer update**, in the global view under ``jit``: ``tx.update`` on gradients, optimizer state and
    parameters with their ZeRO shardings, so XLA runs each element's update on the device that owns its state,
    and the new parameters are resharded to their own layout (an all-gather of the updated shards at stages 1
@@ -35,10 +38,12 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jonebit.sharding.mesh import check_batch
 from jonebit.sharding.zero import (
     OFFLOAD_MEMORY_KIND,
     ZeroShardings,
     check_stage,
+    leaf_spec,
     place_copy,
     to_shardings,
     zero_shardings,
@@ -163,9 +168,13 @@ def make_zero_grads(
     ``jnp.bfloat16``) casts the local gradients before the reduction to halve the traffic.
     """
     axis = shardings.axis
-    size = mesh.shape[axis]
     param_specs = jax.tree.map(_spec, shardings.params)
     grad_specs = jax.tree.map(_spec, shardings.grads)
+    return _grads_fn(loss_fn, mesh, axis, param_specs, grad_specs, batch_spec, reduce_dtype)
+
+
+def _grads_fn(loss_fn, mesh, axis: str, param_specs, grad_specs, batch_spec, reduce_dtype):
+    size = mesh.shape[axis]
     batch_spec = P(axis) if batch_spec is None else batch_spec
 
     def body(params, batch):
@@ -181,6 +190,21 @@ def make_zero_grads(
         return grads, lax.pmean(loss, axis)
 
     return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, batch_spec), out_specs=(grad_specs, P()))
+
+
+def _update_grad_specs(params, shardings: ZeroShardings, mesh):
+    """Layout the step reduces the gradients into: ``shardings.grads``, except at stage 1.
+
+    Stage 1 partitions only the optimizer state, so each device needs only its shard of the mean gradient:
+    a reduce-scatter into the optimizer state's layout (the ZeRO rule on the gradient's shape) and the
+    all-gather of the updated parameters move as many bytes as stage 0's all-reduce, where an all-reduce
+    followed by the all-gather would move 1.5 times as many. The full gradient is a temporary of the step
+    either way; :func:`make_zero_grads` still returns it replicated at stage 1.
+    """
+    grad_specs = jax.tree.map(_spec, shardings.grads)
+    if shardings.stage != 1:
+        return grad_specs
+    return jax.tree.map(lambda p, s: leaf_spec(p.shape, mesh, shardings.axis, s, what="grads"), params, grad_specs)
 
 
 def make_zero_step(
@@ -200,24 +224,57 @@ def make_zero_step(
       tx: the optax optimizer whose state was created by :func:`init_zero` (with or without ``master_dtype``).
       mesh: the mesh of ``shardings``.
       shardings: from :func:`init_zero` / :func:`jonebit.sharding.zero_shardings`.
-      batch_spec: spec of the batch (default: leading dimension over the data axis).
+      batch_spec: spec of the batch (default: leading dimension over the data axis); every dimension it splits
+        must be divisible by the devices of its axes (checked, with the leaf named, when the step is traced).
       reduce_dtype: dtype for the gradient reduction (default: the gradients' own).
       donate: donate params and optimizer state.
 
     The step is one ``jax.jit``; the loss returned is the mean over all devices.
     """
+    batch_spec = P(shardings.axis) if batch_spec is None else batch_spec
     if uses_onebit(shardings):
         if reduce_dtype is not None:
             raise ValueError("make_zero_step: the 1-bit optimizers do their own communication; drop reduce_dtype")
-        return make_onebit_zero_step(loss_fn, tx, mesh, shardings, batch_spec=batch_spec, donate=donate)
-    grads_fn = make_zero_grads(loss_fn, mesh, shardings, batch_spec=batch_spec, reduce_dtype=reduce_dtype)
-    state_dev = _device_shardings(shardings.opt_state) if shardings.offload_optimizer else shardings.opt_state
+        step = make_onebit_zero_step(loss_fn, tx, mesh, shardings, batch_spec=batch_spec, donate=donate)
+    else:
+        step = _make_step(loss_fn, tx, mesh, shardings, batch_spec, reduce_dtype, donate)
+    return CheckedStep(step, lambda batch: check_batch(batch, mesh, batch_spec, where="make_zero_step's step"))
 
-    batch_sharding = NamedSharding(mesh, P(shardings.axis) if batch_spec is None else batch_spec)
+
+class CheckedStep:
+    """A jitted ``step(params, opt_state, batch)`` that checks the batch's shapes before jit sees them.
+
+    ``jax.jit``'s ``in_shardings`` reject a batch the layout cannot split with a message about shardings and
+    tiling factors; this names the leaf and the fix instead. ``lower`` checks too; every other attribute is the
+    jitted function's.
+    """
+
+    def __init__(self, jitted, check):
+        self._jitted = jitted
+        self._check = check
+
+    def __call__(self, params, opt_state, batch):
+        self._check(batch)
+        return self._jitted(params, opt_state, batch)
+
+    def lower(self, params, opt_state, batch, **kwargs):
+        self._check(batch)
+        return self._jitted.lower(params, opt_state, batch, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._jitted, name)
+
+
+def _make_step(loss_fn, tx, mesh, shardings: ZeroShardings, batch_spec, reduce_dtype, donate: bool):
+    axis = shardings.axis
+    param_specs = jax.tree.map(_spec, shardings.params)
+    state_dev = _device_shardings(shardings.opt_state) if shardings.offload_optimizer else shardings.opt_state
+    batch_sharding = NamedSharding(mesh, batch_spec)
 
     def step(params, opt_state, batch):
         batch = jax.tree.map(lambda b: jax.sharding.reshard(b, batch_sharding), batch)
-        grads, loss = grads_fn(params, batch)
+        grad_specs = _update_grad_specs(params, shardings, mesh)
+        grads, loss = _grads_fn(loss_fn, mesh, axis, param_specs, grad_specs, batch_spec, reduce_dtype)(params, batch)
         if shardings.offload_optimizer:
             opt_state = jax.device_put(opt_state, state_dev)
         if isinstance(opt_state, MasterWeightsState):
@@ -257,6 +314,7 @@ def abstract_zero(tx, params, mesh, *, stage: int, axis: str = "data", offload_o
 
 
 __all__ = [
+    "CheckedStep",
     "MasterWeightsState",
     "OFFLOAD_MEMORY_KIND",
     "place_copy",

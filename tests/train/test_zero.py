@@ -3,8 +3,8 @@
 * stages 0-3 (and offload at stages 1 and 3) give the parameters of an independent single-device reference
   (plain ``jax.value_and_grad`` of the whole batch + the same optax optimizer, no mesh) after 20 steps;
 * the layouts survive the steps (stage 1/2 params stay replicated: google/flax#5172);
-* communication read from the compiled HLO: reduce-scatter at stages 2/3 (no gradient-sized all-reduce),
-  all-reduce of all gradients at stages 0/1;
+* communication read from the compiled HLO: reduce-scatter at stages 1-3 (no gradient-sized all-reduce),
+  all-reduce of all gradients at stage 0; stage 1 sends stage 0's bytes (reduce-scatter + all-gather);
 * offload errors where the backend has no pinned_host memory; bf16 params with fp32 master weights;
   the caller's parameters survive the donating step.
 """
@@ -223,8 +223,8 @@ def _grad_bytes() -> list[int]:
 
 
 @pytest.mark.parametrize("opt", ["adamw", "clip_adamw"])
-@pytest.mark.parametrize("stage", [2, 3])
-def test_stage_2_3_reduce_scatter_gradients(opt, stage):
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_stage_1_2_3_reduce_scatter_gradients(opt, stage):
     hlo, report = compiled_report(opt, stage)
     assert "reduce-scatter" in hlo
     scatters = [c for c in report.always if c.op == "reduce-scatter"]
@@ -243,18 +243,35 @@ def test_stage_2_3_reduce_scatter_gradients(opt, stage):
     assert sum(c.bytes_sent for c in scatters) == pytest.approx((N - 1) / N * sum(grads))
 
 
-@pytest.mark.parametrize("stage", [0, 1])
-def test_stage_0_1_all_reduce_gradients(stage):
-    hlo, report = compiled_report("adamw", stage)
+def test_stage_0_all_reduces_gradients():
+    hlo, report = compiled_report("adamw", 0)
     assert "reduce-scatter" not in hlo
     reduces = [c for c in report.always if c.op == "all-reduce"]
-    # All gradients (plus the scalar loss; XLA combines them) are all-reduced.
+    # All gradients (plus the scalar loss; XLA combines them) are all-reduced, and nothing is gathered.
     assert sum(c.result_bytes for c in reduces) >= sum(_grad_bytes())
     assert sorted(s for s in _all_reduce_shapes(hlo) if s) == sorted(np.shape(p) for p in jax.tree.leaves(
         init_params()))
-    gathers = sum(c.result_bytes for c in report.always if c.op == "all-gather")
-    # Stage 1 all-gathers the updated parameter shards (full size); stage 0 has nothing to gather.
-    assert gathers == (sum(_grad_bytes()) if stage == 1 else 0)
+    assert not [c for c in report.always if c.op == "all-gather"]
+
+
+def _sent(report, *ops) -> float:
+    return sum(c.bytes_sent for c in report.always if c.op in ops)
+
+
+@pytest.mark.parametrize("opt", ["adamw", "clip_adamw"])
+def test_stage_1_moves_stage_0_bytes(opt):
+    """DeepSpeed's stage 1: reduce-scatter of the gradients + all-gather of the updated parameters,
+    (P-1)/P G + (P-1)/P G = 2 (P-1)/P G bytes sent per device for G bytes of gradients: stage 0's all-reduce.
+    (An all-reduce followed by the all-gather, as before, sends 3 (P-1)/P G, 1.5 times as much.)"""
+    grads = sum(_grad_bytes())
+    _, report0 = compiled_report(opt, 0)
+    _, report1 = compiled_report(opt, 1)
+    # Stage 0: the gradients and the float32 loss, all-reduced (however XLA groups them).
+    assert _sent(report0, "all-reduce") == pytest.approx(2 * (N - 1) / N * (grads + 4))
+    assert sum(c.result_bytes for c in report1.always if c.op == "all-gather") == grads
+    assert _sent(report1, "reduce-scatter", "all-gather") == pytest.approx(2 * (N - 1) / N * grads)
+    # What stage 1 still all-reduces is scalars: the loss, and with clipping the per-leaf squared norms.
+    assert sum(c.result_bytes for c in report1.always if c.op == "all-reduce") <= 4 * (len(_grad_bytes()) + 1)
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="documents an XLA:CPU behaviour")
@@ -404,5 +421,6 @@ def test_batch_not_divisible_by_devices_is_rejected():
     tx = optax.adamw(1e-3)
     params, state, sh = init_zero(tx, init_params(), mesh(), stage=2)
     step = make_zero_step(loss_fn, tx, mesh(), sh, donate=False)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"make_zero_step's step: batch has shape \(12, 17\); its dimension 0 "
+                                         r"\(12\) must be divisible by the 8 devices of mesh axis 'data'"):
         step(params, state, batches()[0][:12])

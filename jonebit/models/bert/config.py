@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import numbers
 import os
 from typing import Any
 
@@ -64,6 +65,27 @@ _HF_IGNORED = {
 }
 
 
+# Keys a config.json must give: the shapes of the network. Without them the defaults (BERT-base) would build a
+# model whose tensors do not match the checkpoint next to the file.
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+_STR_FIELDS = {"hidden_act"}
+_FLOAT_FIELDS = {"hidden_dropout_prob", "attention_probs_dropout_prob", "initializer_range", "layer_norm_eps"}
+_OPTIONAL_FIELDS = {"pad_token_id"}  # HuggingFace writes null for models without padding
+
+
+def _check_type(name: str, value) -> None:
+    if name in _OPTIONAL_FIELDS and value is None:
+        return
+    if name in _STR_FIELDS:
+        ok, expected = isinstance(value, str), "a string"
+    elif name in _FLOAT_FIELDS:
+        ok, expected = isinstance(value, numbers.Real) and not isinstance(value, bool), "a number"
+    else:
+        ok, expected = isinstance(value, numbers.Integral) and not isinstance(value, bool), "an integer"
+    if not ok:
+        raise TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+
+
 @dataclasses.dataclass(frozen=True)
 class BertConfig:
     """Shape and regularisation of a BERT encoder; field names follow HuggingFace's ``BertConfig``.
@@ -99,18 +121,26 @@ class BertConfig:
     pad_token_id: int = 0
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name))
         if self.hidden_act not in _ACTIVATIONS:
             raise ValueError(
                 f"unsupported hidden_act {self.hidden_act!r}; expected one of {sorted(_ACTIVATIONS)}"
             )
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                     "max_position_embeddings", "type_vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}"
             )
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size",
-                     "max_position_embeddings", "type_vocab_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        for name in ("initializer_range", "layer_norm_eps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def head_dim(self) -> int:
@@ -175,6 +205,8 @@ class BertConfig:
         Keys that only matter to HuggingFace (``architectures``, ``torch_dtype``, ...) are dropped; keys that would
         change the network in a way this implementation does not support are an error.
         """
+        if not isinstance(d, dict):
+            raise TypeError(f"a BERT config must be a dict (a JSON object), got {type(d).__name__}")
         d = dict(d)
         model_type = d.get("model_type", "bert")
         if model_type != "bert":
@@ -194,14 +226,31 @@ class BertConfig:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> BertConfig:
-        """Read a HuggingFace ``config.json`` (a file, or a directory that contains one)."""
+        """Read a HuggingFace ``config.json`` (a file, or a directory that contains one).
+
+        The file must be a JSON object with at least the shape keys (``vocab_size``, ``hidden_size``,
+        ``num_hidden_layers``, ``num_attention_heads``, ``intermediate_size``); every error names the file.
+        """
         path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"BERT config file not found: {path}")
-        with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+        try:
+            with open(path, encoding="utf-8") as f:
+                d = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"BERT config {path} is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"BERT config {path} must hold a JSON object, got a JSON {type(d).__name__}")
+        missing = [k for k in _REQUIRED_KEYS if k not in d]
+        if missing:
+            raise ValueError(f"BERT config {path} lacks the required key(s) {missing}; a HuggingFace BERT "
+                             f"config.json gives all of {list(_REQUIRED_KEYS)}")
+        try:
+            return cls.from_dict(d)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"BERT config {path}: {e}") from None
 
     def to_hf_dict(self, architectures: list[str] | None = None) -> dict[str, Any]:
         """The HuggingFace ``config.json`` dictionary of this configuration."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from jonebit.models.bert.config import BertConfig
@@ -86,6 +87,44 @@ def attention_bias(attention_mask: Array | None) -> Array | None:
         return None
     keep = attention_mask[:, None, None, :].astype(bool)
     return jnp.where(keep, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
+
+
+def _check_ids(name: str, ids, limit: int, limit_name: str) -> None:
+    """Out-of-range ids, when they can be seen: concrete arrays only (under ``jit`` the values are traced)."""
+    if isinstance(ids, jax.core.Tracer) or (isinstance(ids, jax.Array) and not ids.is_fully_addressable):
+        return  # traced, or spread over other processes: nothing to look at here
+    arr = np.asarray(ids)
+    bad = (arr < 0) | (arr >= limit)
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{name}{list(first)} = {arr[first]} is outside [0, {limit_name}={limit}) ({int(bad.sum())} such "
+            f"entries); map unknown tokens to a valid id (e.g. [UNK]) or raise {limit_name} in the config"
+        )
+
+
+def check_inputs(config: BertConfig, input_ids, attention_mask=None, token_type_ids=None) -> None:
+    """Validates the arguments of :class:`BertModel`: shapes and dtypes always, id ranges where concrete.
+
+    Raises ``TypeError``/``ValueError`` naming the argument, what was expected and what was given.
+    """
+    if not hasattr(input_ids, "shape") or not hasattr(input_ids, "dtype"):
+        raise TypeError(f"input_ids must be an integer array [batch, seq], got {type(input_ids).__name__}")
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+    if not jnp.issubdtype(input_ids.dtype, jnp.integer):
+        raise TypeError(f"input_ids must have an integer dtype (token ids), got {input_ids.dtype}")
+    for name, x in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
+        if x is None:
+            continue
+        if tuple(getattr(x, "shape", ())) != tuple(input_ids.shape):
+            raise ValueError(f"{name} must have the shape of input_ids {tuple(input_ids.shape)} ([batch, seq]), "
+                             f"got {tuple(getattr(x, 'shape', ()))}")
+    if token_type_ids is not None and not jnp.issubdtype(token_type_ids.dtype, jnp.integer):
+        raise TypeError(f"token_type_ids must have an integer dtype, got {token_type_ids.dtype}")
+    _check_ids("input_ids", input_ids, config.vocab_size, "vocab_size")
+    if token_type_ids is not None:
+        _check_ids("token_type_ids", token_type_ids, config.type_vocab_size, "type_vocab_size")
 
 
 class BertEmbeddings(nnx.Module):
@@ -236,8 +275,15 @@ class BertModel(nnx.Module):
       rngs: ``params`` (or default) stream for initialisation, ``dropout`` (or default) stream for dropout.
 
     Call with ``input_ids`` ``[batch, seq]`` int, optional ``attention_mask`` (1 = token, 0 = padding) and
-    ``token_type_ids`` (default all 0); ``deterministic`` overrides the train/eval mode set by ``model.train()`` /
-    ``model.eval()``. Returns a :class:`BertModelOutput`.
+    ``token_type_ids`` (default all 0), both ``[batch, seq]`` like ``input_ids``; ``deterministic`` overrides the
+    train/eval mode set by ``model.train()`` / ``model.eval()``. Returns a :class:`BertModelOutput`.
+
+    Shapes and dtypes are checked on every call. Id ranges (``0 <= input_ids < vocab_size``,
+    ``0 <= token_type_ids < type_vocab_size``) are checked only on concrete arrays (eager calls): under
+    ``jax.jit`` / ``nnx.jit`` / ``jax.grad`` the values are traced and cannot be. There, an id ``>= vocab_size``
+    (or ``< -vocab_size``) embeds as a row of NaN (``jnp.take``'s fill mode), which attention spreads to every
+    position of that sequence, and a negative id ``-k`` silently reads row ``vocab_size - k``. Validate the
+    data once outside the step (a single eager call does it) when it does not come from a trusted tokenizer.
     """
 
     def __init__(
@@ -265,8 +311,7 @@ class BertModel(nnx.Module):
         *,
         deterministic: bool | None = None,
     ) -> BertModelOutput:
-        if input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
+        check_inputs(self.config, input_ids, attention_mask, token_type_ids)
         if token_type_ids is None:
             token_type_ids = jnp.zeros_like(input_ids)
         x = self.embeddings(input_ids, token_type_ids, deterministic)

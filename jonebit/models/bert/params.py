@@ -111,7 +111,12 @@ def read_hf_checkpoint(path: str | os.PathLike) -> tuple[BertConfig, dict[str, n
     if not os.path.isfile(weights_file):
         raise FileNotFoundError(f"{WEIGHTS_NAME} not found in checkpoint directory {path}")
     config = BertConfig.from_json(config_file)
-    raw = _safetensors_numpy().load_file(weights_file)
+    stnp = _safetensors_numpy()
+    try:
+        raw = stnp.load_file(weights_file)
+    except Exception as e:  # safetensors' own errors name neither the file nor the format
+        raise ValueError(f"cannot read {weights_file} as a safetensors file ({type(e).__name__}: {e}); "
+                         "re-download or re-save the checkpoint") from None
     tensors = {_normalise_name(k): v for k, v in raw.items() if not k.endswith(_IGNORED_SUFFIXES)}
     return config, tensors
 
@@ -154,13 +159,16 @@ def load_hf_checkpoint(
 
     used: set[str] = set()
     fresh: list[str] = []
-    missing_encoder: list[str] = []
+    missing_encoder: dict[str, tuple] = {}
 
     def assign(keypath, current):
         name, transpose = hf_name(_key_names(keypath))
         if name not in tensors:
             bare = name[len("bert."):] if name.startswith("bert.") else name
-            (missing_encoder if bare.startswith(_ENCODER_PREFIXES) else fresh).append(name)
+            if bare.startswith(_ENCODER_PREFIXES):
+                missing_encoder[name] = current.shape[::-1] if transpose else current.shape
+            else:
+                fresh.append(name)
             return current
         arr = tensors[name]
         if transpose:
@@ -175,7 +183,13 @@ def load_hf_checkpoint(
 
     state = jax.tree_util.tree_map_with_path(assign, nnx.state(model, nnx.Param))
     if missing_encoder:
-        raise ValueError(f"checkpoint {os.fspath(path)} lacks encoder tensors: {sorted(missing_encoder)}")
+        names = sorted(missing_encoder)
+        listed = ", ".join(f"{n} {missing_encoder[n]}" for n in names[:5])
+        more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+        raise ValueError(
+            f"checkpoint {os.fspath(path)} lacks encoder tensors {model_cls.__name__} needs (PyTorch name and "
+            f"shape): {listed}{more}; {len(tensors)} tensors present, e.g. {sorted(tensors)[:3]}"
+        )
 
     unexpected = sorted(set(tensors) - used)
     if _TIED_DECODER in unexpected and "bert.embeddings.word_embeddings.weight" in used:
