@@ -154,14 +154,19 @@ def _keystr(key_path) -> str:
 _SAVEABLE = (jax.Array, np.ndarray, np.generic, int, float, bool)
 
 
-def _check_saveable(state) -> None:
-    for kp, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        if not isinstance(leaf, _SAVEABLE):
+def _saveable(state):
+    """``state`` with numbers as 0-d numpy arrays (orbax stores arrays reliably, not every scalar type)."""
+
+    def leaf(kp, x):
+        if not isinstance(x, _SAVEABLE):
             raise TypeError(
-                f"checkpoint.save: state leaf {_keystr(kp)!r} is a {type(leaf).__name__}; only arrays and numbers "
+                f"checkpoint.save: state leaf {_keystr(kp)!r} is a {type(x).__name__}; only arrays and numbers "
                 "are saved (jax.Array, numpy arrays and scalars, Python int/float/bool). Convert it to an array "
                 "or keep it out of the saved state"
             )
+        return x if isinstance(x, jax.Array | np.ndarray) else np.asarray(x)
+
+    return jax.tree_util.tree_map_with_path(leaf, state)
 
 
 def _abstract(target):
@@ -298,11 +303,8 @@ def _verify_files(src: pathlib.Path, meta: dict) -> None:
         )
     manifest = _read_json(src / MANIFEST, src)
     files = manifest.get("files")
-    if not isinstance(files, dict) or manifest.get("step") != meta["step"]:
-        raise CheckpointError(
-            f"checkpoint {src}: {MANIFEST} is damaged (no file table, or its step {manifest.get('step')!r} differs "
-            f"from {METADATA}'s {meta['step']})"
-        )
+    if not isinstance(files, dict):
+        raise CheckpointError(f"checkpoint {src}: {MANIFEST} has no file table; the file is damaged")
     for name, want in files.items():
         file = src / name
         if not file.is_file():
@@ -315,6 +317,10 @@ def _verify_files(src: pathlib.Path, meta: dict) -> None:
             )
         if _crc32(file) != want.get("crc32"):
             raise CheckpointError(f"checkpoint {src}: file {name} is damaged (CRC-32 differs from the one written)")
+    if manifest.get("step") != meta["step"]:
+        raise CheckpointError(
+            f"checkpoint {src}: {MANIFEST} records step {manifest.get('step')!r}, {METADATA} {meta['step']!r}"
+        )
 
 
 def _siblings(path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
@@ -426,7 +432,7 @@ def save(path: str | pathlib.Path, state: Any, *, step: int, overwrite: bool = F
 
     Args:
       path: the checkpoint directory; its parent must exist.
-      state: a pytree whose leaves are arrays (``jax.Array``, numpy) or Python numbers.
+      state: a pytree whose leaves are arrays (``jax.Array``, numpy) or numbers (saved as 0-d numpy arrays).
       step: the training step, returned by :func:`restore`.
       overwrite: replace an existing checkpoint at ``path``; without it an existing one is an error.
 
@@ -438,7 +444,7 @@ def save(path: str | pathlib.Path, state: Any, *, step: int, overwrite: bool = F
     path = pathlib.Path(path)
     if isinstance(step, bool) or not isinstance(step, int | np.integer):
         raise TypeError(f"checkpoint.save: step must be an int, got {type(step).__name__} {step!r}")
-    _check_saveable(state)
+    state = _saveable(state)
     if not path.parent.is_dir():
         raise FileNotFoundError(f"checkpoint.save: parent directory {path.parent} of {path} does not exist")
     if path.exists() and not path.is_dir():
@@ -502,6 +508,12 @@ def restore(path: str | pathlib.Path, target: Any, *, verify: bool = True) -> tu
         saved = ocp.checkpointables_metadata(src).metadata
     except Exception as e:
         raise CheckpointError(f"checkpoint {src}: cannot read its tree metadata ({type(e).__name__}: {e})") from e
+    for name in ("state", "errors") if (src / "errors").exists() else ("state",):
+        if saved.get(name) is None:  # orbax logs the reason and returns None
+            raise CheckpointError(
+                f"checkpoint {src}: cannot read the tree metadata of '{name}': {name}/_METADATA is missing, "
+                "unreadable or damaged"
+            )
 
     saved_world, current = meta.get("world_size"), _world_size(abstract)
     n_saved = len(saved.get("errors") or [])
