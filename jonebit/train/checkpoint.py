@@ -40,6 +40,7 @@ checkpoint).
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import logging
 import os
@@ -330,13 +331,9 @@ def _siblings(path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
 def _leftovers(path: pathlib.Path) -> list[pathlib.Path]:
     """Temporary directories an interrupted save of ``path`` may leave (never a valid checkpoint)."""
     new, _ = _siblings(path)
-    found = [p for p in path.parent.glob(f"{_glob_escape(path.name)}{_ORBAX_TMP}*")]
-    found += [p for p in path.parent.glob(f"{_glob_escape(new.name)}*")]
+    found = [p for p in path.parent.glob(f"{glob.escape(path.name)}{_ORBAX_TMP}*")]
+    found += [p for p in path.parent.glob(f"{glob.escape(new.name)}*")]
     return sorted(set(found))
-
-
-def _glob_escape(name: str) -> str:
-    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
 
 
 def _rmtree(path: pathlib.Path) -> None:

@@ -5,7 +5,8 @@
 
 - ``none``: nowhere (the parent may still kill it from outside after printing ``SAVING``);
 - ``phase:NAME``: at the save step NAME (``write``, ``written``, ``swap``, ``swapped``);
-- ``mid-write``: as soon as orbax's temporary directory holds a data file, i.e. while orbax is writing.
+- ``mid-write``: as soon as orbax's temporary directory holds a data file, i.e. while orbax is writing;
+- ``two-processes``: no kill; under ``jonebit launch --nproc 2``, saves twice and restores (see two_processes).
 
 It prints ``SAVING`` just before the save and ``SAVED`` after it.
 """
@@ -27,27 +28,43 @@ import numpy as np  # noqa: E402
 BLOB = 1 << 22  # float32 elements of an extra array that makes the write last long enough to be interrupted
 
 
-def make_state(seed: int, blob: int = BLOB):
-    """A 1-bit Adam training state on 8 devices with every float leaf (error buffers included) random."""
+def make_state(seed: int, blob: int = BLOB, devices: int = 8):
+    """A 1-bit Adam training state on ``devices`` devices with every float leaf (error buffers included) random.
+
+    The same on every process of a multi-process job (values come from ``seed`` only).
+    """
     from jonebit import onebit_adam
     from jonebit.train.data_parallel import data_mesh, init_optimizer, replicate
 
-    mesh = data_mesh(8)
+    mesh = data_mesh(devices)
     rng = np.random.default_rng(seed)
     params = replicate({"w": np.zeros((24, 10), np.float32), "b": np.zeros(7, np.float32)}, mesh)
     opt_state, _ = init_optimizer(onebit_adam(1e-2, freeze_step=2), params, mesh)
 
+    def put(value, sharding):
+        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
     def fill(x):
         if not np.issubdtype(x.dtype, np.floating):
             return x
-        return jax.device_put(rng.standard_normal(x.shape).astype(x.dtype), x.sharding)
+        return put(rng.standard_normal(x.shape).astype(x.dtype), x.sharding)
 
     state = {"params": jax.tree.map(fill, params), "opt_state": jax.tree.map(fill, opt_state)}
-    state["opt_state"] = state["opt_state"]._replace(count=jax.device_put(np.int32(seed), opt_state.count.sharding))
+    state["opt_state"] = state["opt_state"]._replace(count=put(np.asarray(seed, np.int32), opt_state.count.sharding))
     if blob:
         rows = jax.NamedSharding(mesh, jax.P("data"))
-        state["blob"] = jax.device_put(rng.random((8, blob // 8), dtype=np.float32), rows)
+        state["blob"] = put(rng.random((devices, blob // devices), dtype=np.float32), rows)
     return state
+
+
+def local_values(tree):
+    """Every leaf as numpy: the whole array when this process holds all of it, else its first local shard."""
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(x.addressable_shards[0].data)
+        return np.asarray(jax.device_get(x))
+
+    return jax.tree.map(one, tree)
 
 
 def _kill():
@@ -67,7 +84,32 @@ def _kill_while_orbax_writes(path: pathlib.Path):
     threading.Thread(target=watch, daemon=True).start()
 
 
+def two_processes(path: pathlib.Path) -> None:
+    """Run under ``jonebit launch --nproc 2``: save, overwrite, restore; process 0 writes ``path``.ok."""
+    from jonebit.sharding.mesh import initialize_distributed
+    from jonebit.train import checkpoint
+
+    initialize_distributed(timeout=60, heartbeat_timeout=20)
+    devices = jax.device_count()
+    states = {seed: make_state(seed, blob=1 << 12, devices=devices) for seed in (1, 2)}
+    checkpoint.save(path, states[1], step=1)
+    checkpoint.save(path, states[2], step=2, overwrite=True)
+    restored, step = checkpoint.restore(path, states[1])
+    assert step == 2, step
+    for got, want in zip(jax.tree.leaves(local_values(restored)), jax.tree.leaves(local_values(states[2])),
+                         strict=True):
+        np.testing.assert_array_equal(got, want)
+    left = sorted(p.name for p in path.parent.iterdir() if p.name != path.name)
+    assert left == [], left
+    print(f"process {jax.process_index()} of {jax.process_count()}: {devices} devices, restored step {step}",
+          flush=True)
+    if jax.process_index() == 0:
+        path.with_name(path.name + ".ok").write_text("ok")
+
+
 def main(path: str, seed: str, kill: str) -> None:
+    if kill == "two-processes":
+        return two_processes(pathlib.Path(path))
     from jonebit.train import checkpoint
 
     path = pathlib.Path(path)

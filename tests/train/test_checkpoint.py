@@ -206,7 +206,7 @@ def test_sigkill_at_each_save_phase_keeps_a_valid_checkpoint(tmp_path, states, k
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("delay", [0.05, 0.2, 0.5, 1.0, 1.5])
+@pytest.mark.parametrize("delay", [0.05, 0.2, 0.5, 1.0, 1.5, 2.5])
 def test_sigkill_after_delay_keeps_old_or_new_checkpoint(tmp_path, states, delay):
     path = tmp_path / "ckpt"
     checkpoint.save(path, states[1], step=1)
@@ -492,3 +492,15 @@ def test_zero_state_error_buffers_are_saved_apart(tmp_path):
     restored, _ = checkpoint.restore(tmp_path / "z", {"opt": zero})
     assert restored["opt"].stage == 3
     assert_same(restored, {"opt": zero})
+
+
+@pytest.mark.multiprocess
+def test_two_processes_overwrite_and_restore(tmp_path):
+    """Every process saves, only process 0 swaps (between barriers); both restore their shards exactly."""
+    path = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "jonebit", "launch", "--nproc", "2", "--devices-per-proc", "2", "--",
+           sys.executable, str(WORKER), str(path), "0", "two-processes"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert (tmp_path / "ckpt.ok").exists()
+    assert "process 1 of 2: 4 devices, restored step 2" in proc.stdout + proc.stderr
