@@ -248,10 +248,16 @@ def _data_files(root: pathlib.Path) -> list[pathlib.Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
-def _fsync(path: pathlib.Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _fsync_dir(path: pathlib.Path) -> None:
+    """Makes renames and new entries in ``path`` durable; best effort (some file systems refuse it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
     try:
         os.fsync(fd)
+    except OSError:
+        pass
     finally:
         os.close(fd)
 
@@ -263,7 +269,7 @@ def _write_manifest(root: pathlib.Path, step: int, world_size: int | None) -> No
         json.dump(body, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    _fsync(root)
+    _fsync_dir(root)
 
 
 def _read_json(file: pathlib.Path, src: pathlib.Path) -> dict:
@@ -331,9 +337,9 @@ def _siblings(path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
 def _leftovers(path: pathlib.Path) -> list[pathlib.Path]:
     """Temporary directories an interrupted save of ``path`` may leave (never a valid checkpoint)."""
     new, _ = _siblings(path)
-    found = [p for p in path.parent.glob(f"{glob.escape(path.name)}{_ORBAX_TMP}*")]
-    found += [p for p in path.parent.glob(f"{glob.escape(new.name)}*")]
-    return sorted(set(found))
+    found = set(path.parent.glob(f"{glob.escape(path.name)}{_ORBAX_TMP}*"))
+    found |= set(path.parent.glob(f"{glob.escape(new.name)}*"))
+    return sorted(found)
 
 
 def _rmtree(path: pathlib.Path) -> None:
@@ -349,7 +355,7 @@ def _recover(path: pathlib.Path) -> None:
     if old.exists() and not path.exists():
         log.warning("checkpoint %s: a previous save stopped while swapping; restoring %s to its place", path, old)
         old.rename(path)
-        _fsync(path.parent)
+        _fsync_dir(path.parent)
     for p in _leftovers(path) + ([old] if old.exists() else []):
         log.info("checkpoint %s: removing %s left by an interrupted save", path, p)
         _rmtree(p)
@@ -360,7 +366,7 @@ def _swap(path: pathlib.Path, new: pathlib.Path, old: pathlib.Path) -> None:
         path.rename(old)
     _phase("swap")
     new.rename(path)
-    _fsync(path.parent)
+    _fsync_dir(path.parent)
     _phase("swapped")
     if old.exists():
         shutil.rmtree(old)
