@@ -1,11 +1,23 @@
+import json
 import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import jax
 import numpy as np
+import optax
+import pytest
 
 from jonebit import onebit_adam
 from jonebit.train import checkpoint
 from jonebit.train.data_parallel import data_mesh, init_optimizer, make_update, replicate, shard_batch
+from tests.mpi_util import ROOT, worker_env
+from tests.train.checkpoint_worker import make_state
 
 
 def train(tx, mesh, params, state, specs, grads, steps):
@@ -70,8 +82,6 @@ def test_world_size_change_resets_errors(tmp_path, caplog):
 def test_zero_stage3_onebit_round_trip_and_world_size_guard(tmp_path):
     import functools
 
-    import pytest
-
     from jonebit.models import tiny_lm
     from jonebit.train.zero import init_zero, make_zero_step
 
@@ -109,21 +119,6 @@ def test_zero_stage3_onebit_round_trip_and_world_size_guard(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Atomic saves, damaged checkpoints and bad inputs.
-
-import json  # noqa: E402
-import os  # noqa: E402
-import re  # noqa: E402
-import shutil  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-
-import optax  # noqa: E402
-import pytest  # noqa: E402
-
-from tests.mpi_util import ROOT, worker_env  # noqa: E402
-from tests.train.checkpoint_worker import make_state  # noqa: E402
 
 WORKER = ROOT / "tests" / "train" / "checkpoint_worker.py"
 
