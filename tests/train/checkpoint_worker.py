@@ -85,7 +85,8 @@ def _kill_while_orbax_writes(path: pathlib.Path):
 
 
 def two_processes(path: pathlib.Path) -> None:
-    """Run under ``jonebit launch --nproc 2``: save, overwrite, restore; process 0 writes ``path``.ok."""
+    """Run under ``jonebit launch --nproc 2``: save, overwrite, restore; process 0 then writes ``ok`` beside the
+    directory that holds ``path`` (outside it, so the other process's check for leftovers does not see it)."""
     from jonebit.sharding.mesh import initialize_distributed
     from jonebit.train import checkpoint
 
@@ -104,7 +105,7 @@ def two_processes(path: pathlib.Path) -> None:
     print(f"process {jax.process_index()} of {jax.process_count()}: {devices} devices, restored step {step}",
           flush=True)
     if jax.process_index() == 0:
-        path.with_name(path.name + ".ok").write_text("ok")
+        (path.parent.parent / "ok").write_text("ok")
 
 
 def main(path: str, seed: str, kill: str) -> None:

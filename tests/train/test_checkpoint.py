@@ -492,10 +492,11 @@ def test_zero_state_error_buffers_are_saved_apart(tmp_path):
 @pytest.mark.multiprocess
 def test_two_processes_overwrite_and_restore(tmp_path):
     """Every process saves, only process 0 swaps (between barriers); both restore their shards exactly."""
-    path = tmp_path / "ckpt"
+    (tmp_path / "ckpts").mkdir()
+    path = tmp_path / "ckpts" / "ckpt"
     cmd = [sys.executable, "-m", "jonebit", "launch", "--nproc", "2", "--devices-per-proc", "2", "--",
            sys.executable, str(WORKER), str(path), "0", "two-processes"]
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert (tmp_path / "ckpt.ok").exists()
+    assert (tmp_path / "ok").exists()
     assert "process 1 of 2: 4 devices, restored step 2" in proc.stdout + proc.stderr
