@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 # Modules with an ``add_parser(subparsers)`` that sets ``func`` (args -> exit code). Add new subcommands here.
-SUBCOMMAND_MODULES = ("jonebit.launch",)
+SUBCOMMAND_MODULES = ("jonebit.launch", "jonebit.doctor")
 
 
 def build_parser() -> argparse.ArgumentParser:
