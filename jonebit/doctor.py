@@ -105,7 +105,7 @@ def check_devices() -> Check:
     for platform in ("cpu", "gpu", "tpu"):
         try:
             backends[platform] = len(jax.devices(platform))
-        except RuntimeError:  # not installed or no such device
+        except (RuntimeError, ValueError):  # not installed, or no such device
             continue
     kinds = sorted({d.device_kind for d in devices})
     detail = (f"{len(devices)} x {devices[0].platform} ({', '.join(kinds)}), default backend "
@@ -125,7 +125,7 @@ def check_gpu_backend() -> Check:
 
     try:
         n = len(jax.devices("gpu"))
-    except RuntimeError:
+    except (RuntimeError, ValueError):
         n = 0
     if n:
         return Check("gpu backend", True, False, f"{n} GPU device(s)", data={"count": n})
