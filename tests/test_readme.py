@@ -165,7 +165,7 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
 MPI_EPILOGUE = textwrap.dedent(
     """
     # Appended by tests/test_readme.py: three steps with the optimizer the README block built.
-    import json, os, sys
+    import json, sys
     import jax, jax.numpy as jnp, numpy as np, optax
     rank = MPI.COMM_WORLD.Get_rank()
     params = {"w": jnp.zeros((64,)), "b": jnp.zeros((3,))}
