@@ -2,8 +2,7 @@
 
 They implement the definition in ``docs/onebit-adam.md`` (padding, RMS scales, sign of zero, worker and server
 error, the two stages, fused vs per leaf, the mask) with numpy only, independently of jonebit's code, so the tests
-compare the library with the documented algorithm. Not modelled: bias correction (``bias_correction=False``, the
-default) and learning-rate schedules (``lr`` is a constant).
+compare the library with the documented algorithm.
 """
 
 from __future__ import annotations
