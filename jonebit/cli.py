@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 # Modules with an ``add_parser(subparsers)`` that sets ``func`` (args -> exit code). Add new subcommands here.
 SUBCOMMAND_MODULES = (
+    "jonebit.doctor",
     "jonebit.launch",
     "jonebit.plot",
     "jonebit.pretrain",

@@ -1,4 +1,9 @@
-"""Independent numpy references of the spec (P ranks simulated in one process)."""
+"""Independent numpy models of 1-bit Adam and its compressed allreduce, P ranks simulated in one process.
+
+They implement the definition in ``docs/onebit-adam.md`` (padding, RMS scales, sign of zero, worker and server
+error, the two stages, fused vs per leaf, the mask) with numpy only, independently of jonebit's code, so the tests
+compare the library with the documented algorithm.
+"""
 
 from __future__ import annotations
 
