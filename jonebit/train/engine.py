@@ -558,11 +558,44 @@ def make_train_step(
                                 (state.params, state.opt_state))
         return comm_report(update.lower(*abstract, stacked).compile().as_text(), mesh.size)
 
+    def onebit_zero_report(state: TrainState):
+        """Like ``tx_report`` for a 1-bit optimizer under ZeRO, whose update is a three-way ``lax.switch``
+        (warmup, first compression step, compression); its branches come back in the loop's order of the
+        stage-0 ``lax.cond``: ``(compression, warmup)``."""
+        import dataclasses as dc
+
+        from jonebit.comm.accounting import comm_report
+
+        def body(params, opt_state, grads):
+            grads = jax.tree.map(lambda g: g[0], grads)
+            tx_params = params.chunks if flat else params
+            updates, opt_state = tx.update(grads, opt_state, tx_params)
+            return optax.apply_updates(tx_params, updates), opt_state
+
+        out_params = specs.params.chunks if flat else specs.params
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs.params, specs.opt_state, P(axis)),
+                               out_specs=(out_params, specs.opt_state))
+        if flat:
+            layout = state.params.layout
+            whole = layout.treedef.unflatten([jax.ShapeDtypeStruct(s, jnp.float32) for s in layout.shapes])
+        else:
+            whole = state.params
+        stacked = jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct((ranks, *p.shape), jnp.float32, sharding=batch_sharding), whole)
+        sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
+        params = jax.tree.map(lambda x: sds(x, x.sharding), state.params)
+        opt_state = jax.tree.map(sds, state.opt_state, state_dev)
+        report = comm_report(jax.jit(mapped).lower(params, opt_state, stacked).compile().as_text(), mesh.size)
+        if report.branches and len(report.branches[0]) == 3:
+            first = report.branches[0]
+            report = dc.replace(report, branches=((first[2], first[0]), *report.branches[1:]))
+        return report
+
     step.jitted = jitted
     step.compiled = compiled
     # With grad_reduce="mean" the optimizer is a local computation; its only traffic is the engine's own (the
     # ZeRO path's parameter all-gathers included: its update is not inside a conditional).
-    step.tx_report = tx_report if grad_reduce is None and stage == 0 else None
+    step.tx_report = None if grad_reduce is not None else tx_report if stage == 0 else onebit_zero_report
     return step
 
 
