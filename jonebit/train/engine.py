@@ -46,7 +46,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jonebit.comm.backends import as_varying
-from jonebit.sharding.zero import OFFLOAD_MEMORY_KIND, base_spec, check_stage, leaf_spec, to_shardings, zero_specs
+from jonebit.sharding.zero import OFFLOAD_MEMORY_KIND, check_stage, leaf_spec, to_shardings, zero_specs
 from jonebit.train.onebit_zero import FlatParams, find_onebit_state, local_abstract_state, onebit_stage
 from jonebit.train.zero import init_zero
 from jonebit.transforms.onebit_adam import sharded_init
@@ -502,8 +502,8 @@ def make_train_step(
                          out_shardings=(state_shardings, replicated), donate_argnums=donated)
     else:
         jitted = jax.jit(
-            _zero_step(local_grads, loss_metrics, tx, mesh, specs, scaling, dtype, axis, stage, state_dev,
-                       state_shardings),
+            _zero_step(local_grads, loss_metrics, tx, mesh, specs, scaling, dtype, axis, state_dev,
+                       state_shardings, offload_optimizer),
             in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, replicated),
             donate_argnums=donated)
 
@@ -600,10 +600,9 @@ def make_train_step(
 
 
 def _zero_step(local_grads, loss_metrics, tx, mesh, specs: TrainState, scaling: LossScaling, dtype, axis: str,
-               stage: int, state_dev, state_shardings: TrainState):
+               state_dev, state_shardings: TrainState, offload: bool):
     """The step of a standard optimizer at ZeRO stage 1-3 (global view around one ``shard_map``)."""
     size = mesh.shape[axis]
-    offload = any(s.memory_kind == OFFLOAD_MEMORY_KIND for s in jax.tree.leaves(state_shardings.opt_state))
 
     def grad_spec(p, pspec):
         """Where this rank's share of the mean gradient lands: the param's shard (stage 3), else the optimizer
@@ -611,7 +610,7 @@ def _zero_step(local_grads, loss_metrics, tx, mesh, specs: TrainState, scaling: 
         bytes, see :func:`jonebit.train.zero._update_grad_specs`)."""
         if _axis_dim(pspec, axis) is not None:
             return pspec
-        return leaf_spec(p.shape, mesh, axis, base_spec(p, mesh, axis), what="grads")
+        return leaf_spec(p.shape, mesh, axis, pspec, what="grads")
 
     def step(state: TrainState, batch):
         param_specs = specs.params
