@@ -8,7 +8,9 @@
   no collective inside the accumulation loop) and all-reduce nothing larger than a scalar; stage 1 sends stage
   0's bytes; stage 3 gathers each parameter once;
 * a non-finite gradient on one rank (fp16, dynamic loss scaling) skips the step at every stage: parameters and
-  optimizer state bit-identical, and the run continues exactly as one that never saw the bad batch;
+  optimizer state bit-identical, and the run continues exactly as one that never saw the bad batch; the same for
+  1-bit Adam at ZeRO stages 1-3, in warmup and in compression;
+* the loop resumes partitioned (and offloaded) state exactly from a checkpoint;
 * 1-bit Adam at ZeRO stages 1-3 through ``initialize`` follows its stage-0 trajectory on fixed gradients, and
   trains through the loop;
 * ``initialize`` accepts ``zero_optimization.stage`` 1-3 with offload; bad combinations get clear errors.
@@ -249,6 +251,37 @@ def test_nonfinite_on_one_rank_skips_at_every_stage(variant):
     assert _leaves_equal(states[-1].params, clean[-1].params)
     assert _leaves_equal(states[-1].opt_state, clean[-1].opt_state)
     assert not _leaves_equal(states[-1].params, states[0].params)
+
+
+@functools.cache
+def _onebit_zero_run(stage: int, bad_at: int | None):
+    """1-bit Adam at ZeRO ``stage`` (freeze_step 3) on 6 good batches, with a poisoned one inserted at ``bad_at``."""
+    tx = jonebit.onebit_adam(1e-2, freeze_step=3, zero_stage=stage)
+    good = [_batch(N * K * 2, 20 + s) for s in range(6)]
+    data = good if bad_at is None else good[:bad_at] + [_poison(good[bad_at], rank=2)] + good[bad_at:]
+    state, specs = init_train_state(tx, _params(), mesh(), zero_stage=stage)
+    step = make_train_step(loss_fn, tx, mesh(), specs, accumulation_steps=K, grad_reduce=None, donate=False,
+                           zero_stage=stage)
+    states, skipped = [state], []
+    for b in data:
+        state, m = step(state, b)
+        states.append(state)
+        skipped.append(bool(m["skipped"]))
+    return states, skipped
+
+
+@pytest.mark.parametrize("stage, bad_at", [(1, 4), (2, 1), (3, 1), (3, 4)])  # warmup: count 1 < 3; compression: 4
+def test_nonfinite_skips_onebit_zero_steps(stage, bad_at):
+    states, skipped = _onebit_zero_run(stage, bad_at)
+    clean, _ = _onebit_zero_run(stage, None)
+    assert skipped == [i == bad_at for i in range(7)]
+    # Parameters (stage 3: the server chunks), moments, packed momentum, error buffers and count untouched ...
+    assert _leaves_equal(states[bad_at].params, states[bad_at + 1].params)
+    assert _leaves_equal(states[bad_at].opt_state, states[bad_at + 1].opt_state)
+    # ... and the run continues exactly as one that never saw the bad batch.
+    assert _leaves_equal(states[-1].params, clean[-1].params)
+    assert _leaves_equal(states[-1].opt_state, clean[-1].opt_state)
+    assert int(states[-1].opt_state.count) == 6 and int(states[-1].skipped) == 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
