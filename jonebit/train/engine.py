@@ -17,9 +17,11 @@ One call of the step built by :func:`make_train_step` is one *optimizer* step, a
    optimizers, which do their own communication).
 4. The loss scale follows DeepSpeed's ``DynamicLossScaler`` (see :class:`LossScaling`).
 
-**ZeRO stages 1-3** (``zero_stage``, :mod:`jonebit.sharding.zero`'s layouts): steps 1 and 2 are the same (the
+**ZeRO stages 1-3** (``zero_stage``, :mod:`jonebit.sharding.zero`'s layouts): steps 1-3 are the same (the
 micro-batch loop runs in ``shard_map`` on whole local gradients, without any communication); at stage 3 the
-parameter shards are all-gathered once per optimizer step, in ``compute_dtype``, before the loop. Then, with a
+parameter shards are all-gathered once per optimizer step, in ``compute_dtype``, before the loop, and the gathered
+copy lives for the step (stage 3 saves parameter memory between steps, not within one: DeepSpeed re-gathers each
+layer per micro-batch instead, trading memory for traffic). Then, with a
 standard optimizer, the summed float32 gradient is **reduce-scattered once** into its ZeRO layout (stage 1: the
 optimizer state's, stages 2-3: the gradients'), and the update runs in the global view on the partitioned state
 (parameters all-gathered back at stages 1-2, optimizer state moved from and to host memory with
