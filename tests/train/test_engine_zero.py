@@ -10,7 +10,8 @@
 * a non-finite gradient on one rank (fp16, dynamic loss scaling) skips the step at every stage: parameters and
   optimizer state bit-identical, and the run continues exactly as one that never saw the bad batch; the same for
   1-bit Adam at ZeRO stages 1-3, in warmup and in compression;
-* the loop resumes partitioned (and offloaded) state exactly from a checkpoint;
+* the loop resumes partitioned (and offloaded) state exactly from a checkpoint; rng keys and aux metrics are
+  those of stage 0;
 * 1-bit Adam at ZeRO stages 1-3 through ``initialize`` follows its stage-0 trajectory on fixed gradients, and
   trains through the loop;
 * ``initialize`` accepts ``zero_optimization.stage`` 1-3 with offload; bad combinations get clear errors.
@@ -135,6 +136,39 @@ def test_grad_norm_is_that_of_the_mean_gradient():
     _, metrics, _ = engine_run("adamw", 3, False)
     g = jax.grad(loss_fn)(_params(), jax.tree.map(jnp.asarray, batches()[0]))
     np.testing.assert_allclose(metrics[0]["grad_norm"], optax.tree.norm(g), rtol=1e-5)
+
+
+def _dropout_loss(p, batch, rng):
+    """Drops input features with a mask drawn from the step's key (a different mask per rank and micro-batch)."""
+    keep = jax.random.bernoulli(rng, 0.7, batch["x"].shape)
+    loss = loss_fn(p, {"x": jnp.where(keep, batch["x"] / 0.7, 0.0), "y": batch["y"]})
+    return loss, {"kept": jnp.mean(keep.astype(jnp.float32))}
+
+
+@functools.cache
+def _dropout_run(stage: int):
+    tx = OPTIMIZERS["adamw"]()
+    state, specs = init_train_state(tx, _params(), mesh(), zero_stage=stage)
+    step = make_train_step(_dropout_loss, tx, mesh(), specs, accumulation_steps=K, grad_reduce="mean",
+                           zero_stage=stage, rng_seed=3, has_aux=True)
+    metrics = []
+    for b in batches():
+        state, m = step(state, b)
+        metrics.append(jax.device_get(m))
+    return state, metrics
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_rng_keys_and_aux_are_those_of_stage0(stage):
+    """Keys depend on (seed, step, rank, micro-batch) only: every stage draws the same masks as stage 0."""
+    state, metrics = _dropout_run(stage)
+    base, base_metrics = _dropout_run(0)
+    assert max_abs_diff(state.params, base.params) < STAGE_ATOL
+    np.testing.assert_allclose([m["aux"]["kept"] for m in metrics], [m["aux"]["kept"] for m in base_metrics],
+                               rtol=1e-7)
+    assert 0.6 < metrics[0]["aux"]["kept"] < 0.8
+    # The masks did something: the run differs from the one without dropout.
+    assert max_abs_diff(state.params, engine_run("adamw", stage, False)[0].params) > 100 * STAGE_ATOL
 
 
 def _expected(shape, partitioned: bool) -> tuple:
