@@ -17,6 +17,18 @@ One call of the step built by :func:`make_train_step` is one *optimizer* step, a
    optimizers, which do their own communication).
 4. The loss scale follows DeepSpeed's ``DynamicLossScaler`` (see :class:`LossScaling`).
 
+**ZeRO stages 1-3** (``zero_stage``, :mod:`jonebit.sharding.zero`'s layouts): steps 1-3 are the same (the
+micro-batch loop runs in ``shard_map`` on whole local gradients, without any communication); at stage 3 the
+parameter shards are all-gathered once per optimizer step, in ``compute_dtype``, before the loop, and the gathered
+copy lives for the step (stage 3 saves parameter memory between steps, not within one: DeepSpeed re-gathers each
+layer per micro-batch instead, trading memory for traffic). Then, with a
+standard optimizer, the summed float32 gradient is **reduce-scattered once** into its ZeRO layout (stage 1: the
+optimizer state's, stages 2-3: the gradients'), and the update runs in the global view on the partitioned state
+(parameters all-gathered back at stages 1-2, optimizer state moved from and to host memory with
+``offload_optimizer``); a skipped step selects the old parameters and state leaf by leaf. A 1-bit optimizer made
+with ``onebit_adam(..., zero_stage=k)`` keeps its own layouts and communication (stage 3: the parameters are
+:class:`~jonebit.train.onebit_zero.FlatParams`), and runs in the per-device view like stage 0.
+
 The step returns the new :class:`TrainState` and a dict of scalar metrics (``loss``, ``grad_norm``,
 ``loss_scale``, ``skipped``). The loop (:mod:`jonebit.train.loop`) decides what to do with skipped steps
 (count them, or raise with ``nonfinite="raise"``).
@@ -35,6 +47,10 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jonebit.comm.backends import as_varying
+from jonebit.sharding.zero import OFFLOAD_MEMORY_KIND, check_stage, leaf_spec, to_shardings, zero_specs
+from jonebit.train.onebit_zero import FlatParams, find_onebit_state, local_abstract_state, onebit_stage
+from jonebit.train.zero import init_zero
 from jonebit.transforms.onebit_adam import sharded_init
 
 __all__ = [
@@ -153,8 +169,11 @@ class TrainState(NamedTuple):
 
     Attributes:
       step: optimizer steps taken, skipped ones included (int32).
-      params: the float32 master parameters, replicated.
-      opt_state: the optimizer state (1-bit error buffers one row per rank, see :func:`jonebit.state_specs`).
+      params: the float32 master parameters: replicated at ZeRO stages 0-2, partitioned over the data axis at
+        stage 3 (:class:`~jonebit.train.onebit_zero.FlatParams` with a 1-bit optimizer; ``.tree()`` gives the
+        ordinary tree).
+      opt_state: the optimizer state (1-bit error buffers one row per rank, see :func:`jonebit.state_specs`;
+        partitioned at ZeRO stages 1-3, in host memory with ``offload_optimizer``).
       loss_scale: the loss-scale state (present, and constant, also without fp16).
       skipped: steps skipped for a non-finite gradient (int32).
     """
@@ -182,6 +201,18 @@ def _check_float_tree(params) -> None:
             )
 
 
+def _check_zero_args(zero_stage, offload_optimizer, where: str) -> int:
+    try:
+        stage = check_stage(zero_stage)
+    except ValueError:
+        raise ValueError(f"{where}: zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}") from None
+    if not isinstance(offload_optimizer, bool):
+        raise TypeError(f"{where}: offload_optimizer must be a bool, got {offload_optimizer!r}")
+    if offload_optimizer and stage == 0:
+        raise ValueError(f"{where}: offload_optimizer=True needs zero_stage 1, 2 or 3 (as in DeepSpeed), got 0")
+    return stage
+
+
 def init_train_state(
     tx: optax.GradientTransformation,
     params,
@@ -189,24 +220,53 @@ def init_train_state(
     *,
     loss_scaling: LossScaling | None = None,
     axis: str = "data",
+    zero_stage: int = 0,
+    offload_optimizer: bool = False,
 ) -> tuple[TrainState, TrainState]:
     """``(state, specs)``: a fresh :class:`TrainState` on ``mesh`` and its ``shard_map`` specs.
 
     The parameters are copied to float32 master weights (the caller's arrays are never donated or aliased).
+
+    Args:
+      tx: the optimizer (a 1-bit optimizer must be made with ``zero_stage`` equal to this one's).
+      params: the initial parameters (any float dtype).
+      mesh: mesh with the data axis ``axis``.
+      loss_scaling: the :class:`LossScaling` whose initial state to use (``None``: a constant scale of 1).
+      axis: the data-parallel mesh axis.
+      zero_stage: 0-3, where params and optimizer state live (:func:`jonebit.sharding.zero_shardings`; the
+        1-bit optimizers use their own layouts, :mod:`jonebit.transforms.onebit_zero`).
+      offload_optimizer: keep the optimizer state in host memory between steps (stages 1-3; the backend must
+        offer ``pinned_host`` memory).
     """
     _check_float_tree(params)
     if axis not in mesh.shape:
         raise ValueError(f"init_train_state: mesh has axes {tuple(mesh.shape)}, not the data axis {axis!r}")
+    stage = _check_zero_args(zero_stage, offload_optimizer, "init_train_state")
     replicated = jax.NamedSharding(mesh, P())
     master = jax.jit(lambda t: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), t), out_shardings=replicated)(
         params)
-    opt_state, opt_specs = sharded_init(tx, master, mesh, axis)
+    onebit = find_onebit_state(local_abstract_state(tx, master, mesh))
+    if onebit is not None and onebit_stage(onebit) != stage:
+        raise ValueError(
+            f"init_train_state: zero_stage={stage} but the 1-bit optimizer was built for ZeRO stage "
+            f"{onebit_stage(onebit)}: make it with jonebit.onebit_adam(..., zero_stage={stage}) (its state layout "
+            "depends on the stage)"
+        )
+    if stage == 0:
+        opt_state, opt_specs = sharded_init(tx, master, mesh, axis)
+        param_specs = P()
+    else:
+        master, opt_state, sh = init_zero(tx, master, mesh, stage=stage, axis=axis,
+                                          offload_optimizer=offload_optimizer)
+        spec_of = lambda s: s.spec  # noqa: E731
+        param_specs, opt_specs = jax.tree.map(spec_of, sh.params), jax.tree.map(spec_of, sh.opt_state)
     scaling = loss_scaling if loss_scaling is not None else LossScaling(dynamic=False, static_scale=1.0)
     scalars = jax.device_put(
         (jnp.zeros([], jnp.int32), scaling.init(), jnp.zeros([], jnp.int32)), replicated)
     state = TrainState(step=scalars[0], params=master, opt_state=opt_state, loss_scale=scalars[1],
                        skipped=scalars[2])
-    return state, train_state_specs(opt_specs)
+    specs = train_state_specs(opt_specs)
+    return state, specs._replace(params=param_specs)
 
 
 def _compute_dtype(dtype):
@@ -220,6 +280,27 @@ def _compute_dtype(dtype):
 
 def _global_norm_sq(tree) -> jax.Array:
     return sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree))
+
+
+def _axis_dim(spec, axis: str) -> int | None:
+    for d, entry in enumerate(spec):
+        if entry == axis or (isinstance(entry, tuple) and axis in entry):
+            return d
+    return None
+
+
+def _spec_tuple(spec) -> tuple:
+    entries = list(spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return tuple(entries)
+
+
+def _same_specs(a, b) -> bool:
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    la, ta = jax.tree.flatten(a, is_leaf=is_spec)
+    lb, tb = jax.tree.flatten(b, is_leaf=is_spec)
+    return ta == tb and all(_spec_tuple(x) == _spec_tuple(y) for x, y in zip(la, lb, strict=True))
 
 
 def make_train_step(
@@ -236,6 +317,8 @@ def make_train_step(
     has_aux: bool = False,
     rng_seed: int | None = None,
     donate: bool = True,
+    zero_stage: int = 0,
+    offload_optimizer: bool = False,
 ):
     """Builds ``step(state, batch) -> (state, metrics)``, jitted.
 
@@ -250,13 +333,17 @@ def make_train_step(
         multiple of it. Gradients are summed in float32 and averaged.
       compute_dtype: ``float32`` (default), ``bfloat16`` or ``float16`` for the forward/backward pass.
       loss_scaling: a :class:`LossScaling` (fp16); ``None`` means a constant scale of 1.
-      grad_reduce: ``None`` (local gradients to ``tx``) or ``"mean"`` (fp32 all-reduce first).
+      grad_reduce: ``None`` (local gradients to ``tx``) or ``"mean"`` (fp32 all-reduce first; at ZeRO stages
+        1-3 a reduce-scatter into the ZeRO layout).
       has_aux: ``loss_fn`` returns ``(loss, aux)``; the aux pytree, averaged over micro-batches and ranks, is
         returned in ``metrics["aux"]``.
       rng_seed: when given, ``loss_fn(params, micro_batch, rng)`` receives a PRNG key (dropout, masking) derived
         from the seed, the optimizer step, the rank and the micro-batch index. It depends on nothing else, so a
         run resumed from a checkpoint draws exactly the keys of an uninterrupted one.
       donate: donate the state's buffers to the step.
+      zero_stage: the ZeRO stage the state was made with (:func:`init_train_state`); standard optimizers need
+        ``grad_reduce="mean"`` at stages 1-3, 1-bit optimizers ``grad_reduce=None``.
+      offload_optimizer: the optimizer state lives in host memory (as made by :func:`init_train_state`).
 
     Returns:
       ``step(state, batch)``: ``batch`` is the global batch (leaves with a leading dimension of
@@ -280,9 +367,27 @@ def make_train_step(
     scaling = loss_scaling if loss_scaling is not None else LossScaling(dynamic=False, static_scale=1.0)
     k = int(accumulation_steps)
     ranks = mesh.shape[axis]
+    stage = _check_zero_args(zero_stage, offload_optimizer, "make_train_step")
 
     if rng_seed is not None and (isinstance(rng_seed, bool) or not isinstance(rng_seed, int | np.integer)):
         raise TypeError(f"rng_seed must be an int or None, got {rng_seed!r}")
+
+    onebit = find_onebit_state(specs.opt_state)
+    if onebit is not None and onebit_stage(onebit) != stage:
+        raise ValueError(
+            f"make_train_step: zero_stage={stage} but specs hold the state of a 1-bit optimizer built for ZeRO "
+            f"stage {onebit_stage(onebit)}; pass the zero_stage given to init_train_state"
+        )
+    if stage and onebit is not None and grad_reduce is not None:
+        raise ValueError("make_train_step: 1-bit optimizers communicate themselves and take local gradients: "
+                         f"use grad_reduce=None (got {grad_reduce!r})")
+    if stage and onebit is None and grad_reduce is None:
+        raise ValueError(
+            f"make_train_step: at ZeRO stage {stage} the step reduce-scatters the averaged gradient into the "
+            "optimizer's partitions: use grad_reduce=\"mean\" (local gradients, grad_reduce=None, are for 1-bit "
+            "optimizers, which communicate themselves)"
+        )
+    flat = isinstance(specs.params, FlatParams)
 
     def micro_step(params, scale, micro, rng):
         def scaled(p):
@@ -295,15 +400,14 @@ def make_train_step(
         (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
         return loss, aux, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
 
-    def body(state: TrainState, batch):
-        local = lax.pcast(state.params, axis, to="varying")
-        scale = state.loss_scale.scale
+    def local_grads(local, step_count, scale, batch):
+        """This rank's gradient, summed in float32 over the micro-batches and divided by ``k x scale``."""
         micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
 
         if rng_seed is None:
             rng = None
         else:
-            rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(int(rng_seed)), state.step),
+            rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(int(rng_seed)), step_count),
                                      lax.axis_index(axis))
 
         def accumulate(g_sum, xs):
@@ -316,8 +420,7 @@ def make_train_step(
                                             None if rng is None else jax.random.fold_in(rng, 0))
             losses, auxes = loss1[None], jax.tree.map(lambda a: jnp.asarray(a)[None], aux1)
         else:
-            zeros = lax.pcast(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params), axis,
-                              to="varying")
+            zeros = lax.pcast(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), local), axis, to="varying")
             # Per-micro-batch losses (and aux) come out stacked: k scalars, not k gradients.
             g_sum, (losses, auxes) = lax.scan(accumulate, zeros, (micro, jnp.arange(k)))
         inv = 1.0 / (k * scale)
@@ -326,6 +429,28 @@ def make_train_step(
         # One scalar collective: does any rank hold a non-finite gradient?
         local_bad = sum(jnp.any(~jnp.isfinite(g)).astype(jnp.int32) for g in jax.tree.leaves(grads))
         overflow = lax.psum(local_bad, axis) > 0
+        return grads, overflow, losses, auxes
+
+    def loss_metrics(losses, auxes, scale, overflow, grad_norm):
+        metrics = {
+            "loss": lax.pmean(jnp.mean(losses), axis),
+            "grad_norm": grad_norm,
+            "loss_scale": scale,
+            "skipped": overflow,
+        }
+        if has_aux:
+            metrics["aux"] = jax.tree.map(lambda a: lax.pmean(jnp.mean(jnp.asarray(a, jnp.float32), 0), axis), auxes)
+        return metrics
+
+    def body(state: TrainState, batch):
+        """Stage 0, and the 1-bit optimizers at every stage: the whole step in the per-device view."""
+        if flat:  # 1-bit ZeRO-3: gather the server chunks (in the compute dtype: the cast commutes with it)
+            chunks = tuple(lax.all_gather(c.astype(dtype), axis, tiled=True) for c in state.params.chunks)
+            local, tx_params = state.params.layout.from_chunks(chunks), state.params.chunks
+        else:
+            local, tx_params = lax.pcast(state.params, axis, to="varying"), state.params
+        scale = state.loss_scale.scale
+        grads, overflow, losses, auxes = local_grads(local, state.step, scale, batch)
 
         if grad_reduce == "mean":
             grads = lax.pmean(grads, axis)
@@ -334,8 +459,9 @@ def make_train_step(
             grad_norm = jnp.sqrt(lax.pmean(_global_norm_sq(grads), axis))
 
         def apply(_):
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            return optax.apply_updates(state.params, updates), opt_state
+            updates, opt_state = tx.update(grads, state.opt_state, tx_params)
+            new = optax.apply_updates(tx_params, updates)
+            return (FlatParams(chunks=tuple(new), layout=state.params.layout) if flat else new), opt_state
 
         def skip(_):
             return state.params, state.opt_state
@@ -348,19 +474,40 @@ def make_train_step(
             loss_scale=scaling.update(state.loss_scale, overflow),
             skipped=state.skipped + overflow.astype(jnp.int32),
         )
-        metrics = {
-            "loss": lax.pmean(jnp.mean(losses), axis),
-            "grad_norm": grad_norm,
-            "loss_scale": scale,
-            "skipped": overflow,
-        }
-        if has_aux:
-            metrics["aux"] = jax.tree.map(lambda a: lax.pmean(jnp.mean(jnp.asarray(a, jnp.float32), 0), axis), auxes)
-        return new, metrics
+        return new, loss_metrics(losses, auxes, scale, overflow, grad_norm)
 
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()))
-    jitted = jax.jit(mapped, donate_argnums=(0,) if donate else ())
     batch_sharding = jax.NamedSharding(mesh, P(axis))
+    replicated = jax.NamedSharding(mesh, P())
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    state_shardings = TrainState(
+        step=replicated,
+        params=to_shardings(specs.params, mesh),
+        opt_state=to_shardings(specs.opt_state, mesh, OFFLOAD_MEMORY_KIND if offload_optimizer else None),
+        loss_scale=jax.tree.map(lambda _: replicated, specs.loss_scale, is_leaf=is_spec),
+        skipped=replicated,
+    )
+    state_dev = jax.tree.map(lambda s: s.with_memory_kind("device"), state_shardings.opt_state)
+    donated = (0,) if donate else ()
+
+    if stage == 0:
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()))
+        jitted = jax.jit(mapped, donate_argnums=donated)
+    elif onebit is not None:
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()))
+
+        def onebit_zero_step(state: TrainState, batch):
+            if offload_optimizer:
+                state = state._replace(opt_state=jax.device_put(state.opt_state, state_dev))
+            return mapped(state, batch)
+
+        jitted = jax.jit(onebit_zero_step, in_shardings=(state_shardings, batch_sharding),
+                         out_shardings=(state_shardings, replicated), donate_argnums=donated)
+    else:
+        jitted = jax.jit(
+            _zero_step(local_grads, loss_metrics, tx, mesh, specs, scaling, dtype, axis, state_dev,
+                       state_shardings, offload_optimizer),
+            in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, replicated),
+            donate_argnums=donated)
 
     def step(state: TrainState, batch):
         for path, x in jax.tree_util.tree_leaves_with_path(batch):
@@ -375,11 +522,29 @@ def make_train_step(
 
     cache: dict = {}
 
+    def check_layout(state: TrainState):
+        """The state must be laid out for this step's ZeRO stage (jit would reshard it silently, or fail deep)."""
+        if stage == 0 or onebit is not None:  # 1-bit layouts: checked by the stage recorded in the state
+            return
+        want = zero_specs(mesh, state.params, state.opt_state, stage=stage, axis=axis)
+        if not (_same_specs(want[0], specs.params) and _same_specs(want[2], specs.opt_state)):
+            raise ValueError(
+                f"make_train_step(zero_stage={stage}): specs do not hold the stage-{stage} layout of this state; "
+                f"make state and specs with init_train_state(..., zero_stage={stage})"
+            )
+        kinds = {getattr(x.sharding, "memory_kind", None) for x in jax.tree.leaves(state.opt_state)}
+        if kinds and (OFFLOAD_MEMORY_KIND in kinds) != offload_optimizer:
+            raise ValueError(
+                f"make_train_step(offload_optimizer={offload_optimizer}): the optimizer state lives in "
+                f"{sorted(str(x) for x in kinds)} memory; pass the offload_optimizer given to init_train_state"
+            )
+
     def compiled(state: TrainState, batch):
         """The compiled step for these argument shapes (compiled once; its HLO text gives the traffic)."""
         key = jax.tree.structure((state, batch)), tuple(
             (np.shape(x), str(getattr(x, "dtype", type(x)))) for x in jax.tree.leaves((state, batch)))
         if key not in cache:
+            check_layout(state)
             cache[key] = jitted.lower(state, jax.device_put(batch, batch_sharding)).compile()
         return cache[key]
 
@@ -395,8 +560,112 @@ def make_train_step(
                                 (state.params, state.opt_state))
         return comm_report(update.lower(*abstract, stacked).compile().as_text(), mesh.size)
 
+    def onebit_zero_report(state: TrainState):
+        """Like ``tx_report`` for a 1-bit optimizer under ZeRO, whose update is a three-way ``lax.switch``
+        (warmup, first compression step, compression); its branches come back in the loop's order of the
+        stage-0 ``lax.cond``: ``(compression, warmup)``."""
+        import dataclasses as dc
+
+        from jonebit.comm.accounting import comm_report
+
+        def body(params, opt_state, grads):
+            grads = jax.tree.map(lambda g: g[0], grads)
+            tx_params = params.chunks if flat else params
+            updates, opt_state = tx.update(grads, opt_state, tx_params)
+            return optax.apply_updates(tx_params, updates), opt_state
+
+        out_params = specs.params.chunks if flat else specs.params
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs.params, specs.opt_state, P(axis)),
+                               out_specs=(out_params, specs.opt_state))
+        if flat:
+            layout = state.params.layout
+            whole = layout.treedef.unflatten([jax.ShapeDtypeStruct(s, jnp.float32) for s in layout.shapes])
+        else:
+            whole = state.params
+        stacked = jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct((ranks, *p.shape), jnp.float32, sharding=batch_sharding), whole)
+        sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
+        params = jax.tree.map(lambda x: sds(x, x.sharding), state.params)
+        opt_state = jax.tree.map(sds, state.opt_state, state_dev)
+        report = comm_report(jax.jit(mapped).lower(params, opt_state, stacked).compile().as_text(), mesh.size)
+        if report.branches and len(report.branches[0]) == 3:
+            first = report.branches[0]
+            report = dc.replace(report, branches=((first[2], first[0]), *report.branches[1:]))
+        return report
+
     step.jitted = jitted
     step.compiled = compiled
-    # With grad_reduce="mean" the optimizer is a local computation; its only traffic is the engine's own.
-    step.tx_report = tx_report if grad_reduce is None else None
+    # With grad_reduce="mean" the optimizer is a local computation; its only traffic is the engine's own (the
+    # ZeRO path's parameter all-gathers included: its update is not inside a conditional).
+    step.tx_report = None if grad_reduce is not None else tx_report if stage == 0 else onebit_zero_report
     return step
+
+
+def _zero_step(local_grads, loss_metrics, tx, mesh, specs: TrainState, scaling: LossScaling, dtype, axis: str,
+               state_dev, state_shardings: TrainState, offload: bool):
+    """The step of a standard optimizer at ZeRO stage 1-3 (global view around one ``shard_map``)."""
+    size = mesh.shape[axis]
+
+    def grad_spec(p, pspec):
+        """Where this rank's share of the mean gradient lands: the param's shard (stage 3), else the optimizer
+        state's layout (stages 1 and 2; at stage 1 a reduce-scatter plus the update's all-gather moves stage 0's
+        bytes, see :func:`jonebit.train.zero._update_grad_specs`)."""
+        if _axis_dim(pspec, axis) is not None:
+            return pspec
+        return leaf_spec(p.shape, mesh, axis, pspec, what="grads")
+
+    def step(state: TrainState, batch):
+        param_specs = specs.params
+        grad_specs = jax.tree.map(grad_spec, state.params, param_specs)
+
+        def grads_body(params, step_count, scale, batch):
+            # Stage 3: gather each shard once per optimizer step, in the compute dtype (the cast commutes with
+            # the gather); all-gather results already vary over the axis, so autodiff adds no collective.
+            local = jax.tree.map(
+                lambda p, s: p if _axis_dim(s, axis) is None else lax.all_gather(
+                    p.astype(dtype), axis, axis=_axis_dim(s, axis), tiled=True), params, param_specs)
+            local = jax.tree.map(lambda p: as_varying(p, axis), local)
+            grads, overflow, losses, auxes = local_grads(local, step_count, scale, batch)
+
+            def reduce(g, gspec):
+                d = _axis_dim(gspec, axis)
+                return lax.pmean(g, axis) if d is None else lax.psum_scatter(
+                    g, axis, scatter_dimension=d, tiled=True) / size
+
+            grads = jax.tree.map(reduce, grads, grad_specs)
+            # Squared norm of the mean gradient: shards summed over ranks, replicated leaves counted once.
+            sharded = [g for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(grad_specs, is_leaf=_is_p),
+                                         strict=True) if _axis_dim(s, axis) is not None]
+            whole = [g for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(grad_specs, is_leaf=_is_p),
+                                       strict=True) if _axis_dim(s, axis) is None]
+            norm_sq = _global_norm_sq(whole) + (lax.psum(_global_norm_sq(sharded), axis) if sharded else 0.0)
+            return grads, loss_metrics(losses, auxes, scale, overflow, jnp.sqrt(norm_sq))
+
+        grads, metrics = jax.shard_map(
+            grads_body, mesh=mesh, in_specs=(param_specs, P(), P(), P(axis)), out_specs=(grad_specs, P()),
+        )(state.params, state.step, state.loss_scale.scale, batch)
+        overflow = metrics["skipped"]
+
+        opt_state = jax.device_put(state.opt_state, state_dev) if offload else state.opt_state
+        updates, new_opt = tx.update(grads, opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        # A skipped step keeps every leaf bit-identical (a select, not a conditional: the parameter all-gather of
+        # stages 1-2 then runs unconditionally and the compiled program's accounting sees it every step).
+        keep = lambda old, new: jnp.where(overflow, old, new)  # noqa: E731
+        params = jax.tree.map(keep, state.params,
+                              jax.tree.map(jax.sharding.reshard, new_params, state_shardings.params))
+        opt_state = jax.tree.map(keep, opt_state, jax.tree.map(jax.sharding.reshard, new_opt, state_dev))
+        new = TrainState(
+            step=state.step + 1,
+            params=params,
+            opt_state=opt_state,
+            loss_scale=scaling.update(state.loss_scale, overflow),
+            skipped=state.skipped + overflow.astype(jnp.int32),
+        )
+        return new, metrics
+
+    return step
+
+
+def _is_p(x) -> bool:
+    return isinstance(x, P)

@@ -5,7 +5,9 @@
 
 The config decides the optimizer (with its schedule and clipping), the batch arithmetic (``train_batch_size =
 micro x accumulation x data-parallel size``), the precision (``fp16`` with DeepSpeed's loss scaler, ``bf16``,
-or fp32) and ``steps_per_print``. What the engine does per step is described in :mod:`jonebit.train.engine`;
+or fp32), the ZeRO stage (``zero_optimization.stage`` 0-3, with ``offload_optimizer.device: "cpu"`` keeping the
+optimizer state in host memory; 1-bit Adam is built for the stage and keeps its own layouts) and
+``steps_per_print``. What the engine does per step is described in :mod:`jonebit.train.engine`;
 the loop (checkpoints, metrics, resume) in :mod:`jonebit.train.loop`.
 
 Gradient clipping (``gradient_clipping``) is applied to the gradient the optimizer receives: with standard
@@ -56,7 +58,8 @@ class Engine:
       batch: the resolved batch sizes.
       tx: the optimizer (schedule and clipping included).
       step: ``step(state, global_batch) -> (state, metrics)`` (see :func:`jonebit.train.engine.make_train_step`).
-      state: the current :class:`~jonebit.train.engine.TrainState`.
+      state: the current :class:`~jonebit.train.engine.TrainState` (at ZeRO stage 3 with 1-bit Adam its params
+        are :class:`~jonebit.train.onebit_zero.FlatParams`; ``state.params.tree()`` gives the ordinary tree).
       learning_rate: the schedule (a function of the optimizer's update count) or a constant.
       freeze_step: jonebit's ``freeze_step`` of a 1-bit optimizer (DeepSpeed's minus one), else ``None``.
       mesh: the data-parallel mesh.
@@ -116,12 +119,6 @@ def initialize(
         raise ValueError(f"initialize: mesh has axes {tuple(mesh.shape)}, not the data axis {axis!r}")
     dp = int(mesh.shape[axis])
     batch = config.batch_sizes(dp)
-    if config.zero_optimization.stage or config.zero_optimization.offload_optimizer.enabled:
-        raise ConfigError(
-            "zero_optimization.stage",
-            f"the engine runs ZeRO stage 0 so far (got stage {config.zero_optimization.stage}); for stages 1-3 "
-            "build the step with jonebit.train.zero.make_zero_step, or set zero_optimization.stage to 0",
-        )
     opt = config.optimizer
     if opt is not None and opt.type in _ONEBIT and opt.params.get("comm_backend_name") == "mpi":
         raise ConfigError(
@@ -136,7 +133,17 @@ def initialize(
         learning_rate = build_schedule(config.scheduler, opt) if opt is not None else None
     scaling = loss_scaling_from_config(config)
     compute = jnp.float16 if config.fp16.enabled else jnp.bfloat16 if config.bf16.enabled else jnp.float32
-    state, specs = init_train_state(tx, params, mesh, loss_scaling=scaling, axis=axis)
+    zero = config.zero_optimization
+    stage, offload = int(zero.stage), bool(zero.offload_optimizer.enabled)
+    try:
+        state, specs = init_train_state(tx, params, mesh, loss_scaling=scaling, axis=axis, zero_stage=stage,
+                                        offload_optimizer=offload)
+    except ValueError as e:  # the backend cannot offload, or a given tx was built for another stage: name the key
+        if "offload" in str(e):
+            raise ConfigError("zero_optimization.offload_optimizer.device", str(e)) from e
+        if "zero_stage" in str(e):
+            raise ConfigError("zero_optimization.stage", str(e)) from e
+        raise
     # A 1-bit optimizer (from the config or given) does its own communication on local gradients.
     onebit = any(is_onebit_state(n) for n in jax.tree.leaves(state.opt_state, is_leaf=is_onebit_state))
     freeze_step = None
@@ -145,7 +152,7 @@ def initialize(
     step = make_train_step(
         loss_fn, tx, mesh, specs, accumulation_steps=batch.gradient_accumulation_steps, compute_dtype=compute,
         loss_scaling=scaling, grad_reduce=None if onebit else "mean", axis=axis, has_aux=has_aux,
-        rng_seed=rng_seed,
+        rng_seed=rng_seed, zero_stage=stage, offload_optimizer=offload,
     )
     return Engine(config=config, batch=batch, tx=tx, step=step, state=state, learning_rate=learning_rate,
                   freeze_step=freeze_step, mesh=mesh)

@@ -17,10 +17,11 @@ can be, and how (``C = N_pad / P`` is the server chunk of the compressed allredu
   parameters), all-gathered for the forward pass. The update of chunk ``r`` uses exactly the values rank ``r``
   computed as the server of chunk ``r``, so no parameter traffic is added besides ZeRO-3's own gather.
 
-Warmup at stages >= 1 is ZeRO's own: the mean gradient is reduce-scattered into chunks (stage 1: all-reduced and
-sliced), Adam updates chunk ``r`` of ``m``, ``v`` and the parameters, and (stages 1, 2) the updated chunks are
-all-gathered: the same bytes as stage 0's allreduce. At the first compression step the float32 momentum chunks are
-all-gathered once (and, at stages 1 and 2, the variance), a one-off cost of a third ``lax.switch`` branch.
+Warmup at stages >= 1 is ZeRO's own: the mean gradient is reduce-scattered into chunks (at stage 1 too, as in
+DeepSpeed's stage 1: the full gradient is only a temporary of the step), Adam updates chunk ``r`` of ``m``, ``v``
+and the parameters, and (stages 1, 2) the updated chunks are all-gathered: the same bytes as stage 0's allreduce.
+At the first compression step the float32 momentum chunks are all-gathered once (and, at stages 1 and 2, the
+variance), a one-off cost of a third ``lax.switch`` branch.
 
 Per-device bytes (Ψ parameters, fp32, ``N`` ranks, local gradient counted once):
 
@@ -248,10 +249,10 @@ def zero_update(
     def warmup(_):
         new_mu, new_nu, u_chunks = [], [], []
         for g in range(ngroups):
-            if stage == 1:  # gradients not partitioned: all-reduce, then take this rank's chunk
-                gc = chunk_of(lax.pmean(g_flat[g], axis), g)
-            else:
-                gc = lax.psum_scatter(g_flat[g], axis, scatter_dimension=0, tiled=True) / p
+            # Every stage reduce-scatters: stage 1 keeps no gradient partition between steps, but within the step
+            # each rank needs only its chunk of the mean, and with the all-gather below this moves stage 0's bytes
+            # (an all-reduce then a slice would move 1.5 times as many).
+            gc = lax.psum_scatter(g_flat[g], axis, scatter_dimension=0, tiled=True) / p
             m = b1 * mu[g][0] + (1.0 - b1) * gc
             v = b2 * nu[g][0] + (1.0 - b2) * gc * gc
             new_mu.append(m[None])
