@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
-import re  # noqa: F401 (used below)
+import re
 
 import numpy as np
 import pytest
@@ -219,3 +219,84 @@ def test_squad_fine_tuning_learns_the_synthetic_task(tmp_path, minilm):
     assert sum(predictions[k] == v for k, v in gold.items()) == pytest.approx(after["exact_match"] / 100 * 32)
     losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert np.mean(losses[-4:]) < 0.5 * np.mean(losses[:4])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A tiny BERT saved as a `jonebit pretrain` run: ckpt:RUN init, and the bad-input table (no MiniLM needed).
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A pretrain-style run directory (RUN/hf with a BertForPreTraining and vocab.txt) and synthetic data."""
+    from flax import nnx
+
+    from jonebit.data.tokenization import SPECIAL_TOKENS
+    from jonebit.models.bert import BertConfig, BertForPreTraining, save_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny")
+    vocab = list(SPECIAL_TOKENS) + sorted(set(_FILLER + _ANSWERS + "what is answer ? . ,".split()))
+    config = BertConfig.preset("tiny", vocab_size=len(vocab), max_position_embeddings=64)
+    save_hf_checkpoint(BertForPreTraining(config, rngs=nnx.Rngs(0)), root / "run" / "hf")
+    (root / "run" / "hf" / "vocab.txt").write_text("".join(t + "\n" for t in vocab))
+    train = _write(root / "train.json", synthetic_squad(32, seed=0))
+    dev = _write(root / "dev.json", synthetic_squad(8, seed=1))
+    return root, train, dev
+
+
+def _tiny_argv(tiny, out, *extra) -> list[str]:
+    root, train, dev = tiny
+    return ["squad", "--train-file", str(train), "--predict-file", str(dev), "--init", f"ckpt:{root / 'run'}",
+            "--max-seq-length", "40", "--max-query-length", "8", "--batch-size", "8", "--max-steps", "2",
+            "--no-progress", "--output", str(out), *extra]
+
+
+def test_squad_from_a_pretrain_run_and_resume(tiny, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_tiny_argv(tiny, out, "--optimizer", "adam")) == 0
+    first = json.loads((out / "eval.json").read_text())
+    assert "qa_outputs initialised fresh" in capsys.readouterr().out
+    assert _squad_eval(tiny[2], out / "predictions.json", capsys) == {k: first[k] for k in ("exact_match", "f1")}
+    assert first["questions"] == 8 and "predict_subset.json" not in first["data_file"]
+    # Run again: the finished run resumes from its checkpoint, trains nothing, predicts the same answers.
+    predictions = (out / "predictions.json").read_text()
+    assert main(_tiny_argv(tiny, out, "--optimizer", "adam")) == 0
+    assert (out / "predictions.json").read_text() == predictions
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--train-file", "nowhere.json"], r"--train-file: no SQuAD file at nowhere.json"),
+    (["--predict-file", "nowhere.json"], r"--predict-file: no SQuAD file at nowhere.json"),
+    (["--predict-file", "{bad_json}"], r"--predict-file: .* is not JSON"),
+    (["--init", "bert-base-uncased"], r"--init must be hf:DIR .* or ckpt:RUN"),
+    (["--init", "hf:nowhere"], r"--init hf:nowhere: no directory at nowhere"),
+    (["--init", "ckpt:{tmp}"], r"has no hf/config.json; expected the output directory of a finished `jonebit "
+                               r"pretrain` run"),
+    (["--init", "hf:{tmp}"], r"should hold config.json and model.safetensors"),
+    (["--config", "nowhere.json"], r"--config: no DeepSpeed config at nowhere.json"),
+    (["--config", "{bad_json}"], r"--config: .* is not JSON"),
+    (["--batch-size", "12"], r"train_batch_size \(12\) is not divisible by the data-parallel size \(8\)"),
+    (["--batch-size", "64"], r"the train batch \(64\) is larger than the 32 training windows"),
+    (["--data-parallel", "16"], r"--data-parallel 16: there are only 8 devices"),
+    (["--max-train-examples", "0"], r"--max-train-examples must be a positive integer, got 0"),
+    (["--epochs", "0"], r"--epochs must be > 0"),
+    (["--max-seq-length", "128"], r"--max-seq-length 128 exceeds the model's max_position_embeddings 64"),
+    (["--vocab", "{other_vocab}"], r"has vocab_size \d+, .* has 6 tokens: pass the checkpoint's own vocab.txt"),
+])
+def test_squad_bad_arguments_exit_2_with_a_message(tiny, tmp_path, capsys, extra, message):
+    from jonebit.data.tokenization import SPECIAL_TOKENS
+
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "vocab.txt").write_text("".join(t + "\n" for t in (*SPECIAL_TOKENS, "answer")))
+    subs = {"{bad_json}": str(tmp_path / "bad.json"), "{tmp}": str(tmp_path),
+            "{other_vocab}": str(tmp_path / "vocab.txt")}
+    for key, value in subs.items():
+        extra = [a.replace(key, value) for a in extra]
+    argv = _tiny_argv(tiny, tmp_path / "out")
+    for flag, value in zip(extra[::2], extra[1::2], strict=True):  # a flag given twice: argparse keeps the last
+        argv += [flag, value]
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert re.search(message, err), err
+    assert "Traceback" not in err
