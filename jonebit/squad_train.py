@@ -99,6 +99,9 @@ def read_config(path: str | os.PathLike, *, batch_size: int | None, micro_batch:
         cfg.pop("gradient_accumulation_steps", None)
     if lr is not None and isinstance(cfg.get("optimizer"), dict):
         cfg["optimizer"] = dict(cfg["optimizer"], params=dict(cfg["optimizer"].get("params", {}), lr=lr))
+    sched = cfg.get("scheduler")
+    if lr is not None and isinstance(sched, dict) and "warmup_max_lr" in sched.get("params", {}):
+        cfg["scheduler"] = dict(sched, params=dict(sched["params"], warmup_max_lr=lr))  # the schedule's peak
     return cfg
 
 

@@ -287,3 +287,28 @@ def test_squad_bad_arguments_exit_2_with_a_message(tiny, tmp_path, capsys, extra
     assert code == 2, err
     assert re.search(message, err), err
     assert "Traceback" not in err
+
+
+def test_configs_scale_the_batch_and_keep_the_rest(tmp_path):
+    from jonebit.squad_train import default_config, read_config
+    from jonebit.train.config import load_config
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "bing_bert_squad_onebit_adam.json"
+    original = json.loads(path.read_text())
+    cfg = read_config(path, batch_size=16, micro_batch=None, lr=None)
+    assert cfg["train_batch_size"] == 16 and "train_micro_batch_size_per_gpu" not in cfg
+    assert {k: v for k, v in cfg.items() if not k.startswith("train_")} == \
+        {k: v for k, v in original.items() if not k.startswith("train_")}
+    assert load_config(cfg).batch_sizes(8).train_micro_batch_size_per_gpu == 2
+    cfg = read_config(path, batch_size=None, micro_batch=None, lr=1e-4)
+    assert cfg["optimizer"]["params"] == dict(original["optimizer"]["params"], lr=1e-4)
+
+    onebit = default_config("onebit_adam", 96, 100)
+    assert onebit["optimizer"]["params"]["freeze_step"] == 21  # 20 Adam steps (DeepSpeed's F - 1), then compression
+    assert onebit["optimizer"]["params"]["bias_correction"] is True and onebit["train_batch_size"] == 96
+    sched = onebit["scheduler"]["params"]
+    assert (sched["warmup_max_lr"], sched["warmup_num_steps"], sched["warmup_type"]) == (3e-5, 10, "linear")
+    adam = default_config("adam", 96, 100)
+    assert adam["optimizer"]["type"] == "Adam" and adam["scheduler"] == onebit["scheduler"]
+    with pytest.raises(ValueError, match=r"--optimizer must be adam or onebit_adam, got 'sgd'"):
+        default_config("sgd", 96, 100)
