@@ -341,7 +341,11 @@ def run(
 
     _check_positive(max_train_examples=max_train_examples, max_eval_examples=max_eval_examples, max_steps=max_steps,
                     batch_size=batch_size, micro_batch=micro_batch, predict_batch_size=predict_batch_size,
-                    data_parallel=data_parallel)
+                    data_parallel=data_parallel, n_best_size=n_best_size, max_answer_length=max_answer_length)
+    if not 0 <= warmup_proportion <= 1:
+        raise ValueError(f"--warmup-proportion must be a fraction of the steps in [0, 1], got {warmup_proportion}")
+    if not 0 < freeze_proportion <= 1:
+        raise ValueError(f"--freeze-proportion must be a fraction of the steps in (0, 1], got {freeze_proportion}")
     if data_parallel is not None and data_parallel > jax.device_count():
         raise ValueError(f"--data-parallel {data_parallel}: there are only {jax.device_count()} devices")
     if not epochs > 0:
