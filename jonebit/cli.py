@@ -14,6 +14,7 @@ SUBCOMMAND_MODULES = (
     "jonebit.plot",
     "jonebit.pretrain",
     "jonebit.squad_cli",
+    "jonebit.squad_train",
     "jonebit.train.config_cli",
 )
 

