@@ -1,0 +1,183 @@
+"""The bandwidth model and the summary of an emulated-cluster run (pure functions: tested without a cluster).
+
+    step time = compute + wire bytes / bandwidth + latency x message rounds
+
+``compute`` is the same step on one device with no network (measured in the same processes, at the same
+time, so the CPU contention matches); ``wire bytes`` are the bytes the compiled program's collectives send
+per host (``jonebit.comm.accounting``) times the framing overhead measured on the links (qdisc bytes over
+accounted bytes: Ethernet + IP + TCP headers, about 4.6% at MTU 1500); ``bandwidth`` is the HTB rate. The
+kernel here has no netem, so the emulated links add no latency worth counting (a veth hop is microseconds);
+the latency term is there for extrapolation to real networks, where it is computed, not measured.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import statistics
+
+from benchmarks.cluster.netns import rate_bits
+
+
+def message_rounds(ops: list[str], group: int) -> int:
+    """Sequential point-to-point rounds of a ring implementation of ``ops`` over ``group`` ranks (each round
+    pays one latency): all-reduce ``2 (P-1)``, all-gather / all-to-all / reduce-scatter ``P-1``, permute 1."""
+    if group < 2:
+        return 0
+    per_op = {"all-reduce": 2 * (group - 1), "collective-permute": 1}
+    return sum(per_op.get(op, group - 1) for op in ops)
+
+
+def predict(compute_s: float, wire_bytes: float, rate: str | float, latency_s: float = 0.0, rounds: int = 0) -> float:
+    """Step time of the model. ``rate``: a tc rate string or bits per second."""
+    bits = rate_bits(rate) if isinstance(rate, str) else float(rate)
+    return compute_s + 8.0 * wire_bytes / bits + latency_s * rounds
+
+
+def fit_two_term(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``t = c + s x`` through ``(x, t)`` points (x = ideal seconds on the wire); ``(c, s)``.
+
+    ``c`` is the compute the rates imply, ``s`` how much slower than the nominal rate the bytes really move
+    (1 = at the HTB rate exactly)."""
+    if len(points) < 2:
+        raise ValueError(f"fit_two_term needs at least 2 points at different rates, got {len(points)}")
+    xs, ts = [p[0] for p in points], [p[1] for p in points]
+    mx, mt = statistics.fmean(xs), statistics.fmean(ts)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        raise ValueError("fit_two_term: every point has the same wire time; use at least two different rates")
+    s = sum((x - mx) * (t - mt) for x, t in zip(xs, ts, strict=True)) / sxx
+    return mt - s * mx, s
+
+
+def spread(times: list[float]) -> dict:
+    med = statistics.median(times)
+    return dict(median=med, min=min(times), max=max(times), spread=(max(times) - min(times)) / med, n=len(times))
+
+
+def expected_phase_bytes(worker: dict, phase: int) -> float:
+    """Bytes one host should send in a phase: every step it ran times its stage's accounted bytes."""
+    total = 0.0
+    for name, rec in worker["phases"][phase]["variants"].items():
+        for stage, n in rec["dist_steps"].items():
+            total += n * worker["comm_bytes_per_step"][name][stage]
+    return total
+
+
+def summarise(runs: list[dict], rates: list[str]) -> dict:
+    """Rows (one per hosts x rate x variant stage) with measured and modelled times, and the link checks."""
+    rows, links = [], []
+    for run in runs:
+        hosts, w0, counters = run["hosts"], run["workers"][0], run["counters"]
+        overhead = {}
+        for k, rate in enumerate(rates):
+            per_host = []
+            for i, w in enumerate(run["workers"]):
+                want = expected_phase_bytes(w, k)
+                up = counters[k + 1]["up"][i] - counters[k]["up"][i]
+                down = counters[k + 1]["down"][i] - counters[k]["down"][i]
+                per_host.append(dict(host=i, accounted=want, qdisc_up=up, qdisc_down=down,
+                                     ratio_up=up / want if want else None))
+            ratios = [h["ratio_up"] for h in per_host if h["ratio_up"]]
+            overhead[rate] = statistics.fmean(ratios) if ratios else 1.0
+            links.append(dict(hosts=hosts, rate=rate, per_host=per_host, mean_ratio=overhead[rate]))
+        for k, rate in enumerate(rates):
+            for name, rec in w0["phases"][k]["variants"].items():
+                for stage, times in rec["dist_s"].items():
+                    acct = w0["comm_bytes_per_step"][name][stage]
+                    compute = statistics.median(rec["local_s"][stage])
+                    m = spread(times)
+                    model = predict(compute, acct * overhead[rate], rate)
+                    rows.append(dict(hosts=hosts, rate=rate, variant=name, stage=stage, bytes_per_step=acct,
+                                     wire_bytes_per_step=acct * overhead[rate], compute_s=compute,
+                                     measured=m, model_s=model, measured_over_model=m["median"] / model))
+    _add_fits(rows)
+    _add_speedups(rows)
+    return dict(rows=rows, links=links, model=__doc__.split("\n\n")[1].strip())
+
+
+def _key(r):
+    return r["hosts"], r["variant"], r["stage"]
+
+
+def _add_fits(rows: list[dict]) -> None:
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(_key(r), []).append(r)
+    for group in groups.values():
+        pts = [(8 * r["wire_bytes_per_step"] / rate_bits(r["rate"]), r["measured"]["median"]) for r in group]
+        if len({p[0] for p in pts}) < 2:
+            continue
+        c, s = fit_two_term(pts)
+        for r in group:
+            r["fit_compute_s"], r["fit_slope"] = c, s
+
+
+def _add_speedups(rows: list[dict]) -> None:
+    """Each row's speedup over the full-precision Adam step at the same hosts and rate (measured, and model)."""
+    base = {(r["hosts"], r["rate"]): r for r in rows if r["variant"] == "adam"}
+    for r in rows:
+        b = base.get((r["hosts"], r["rate"]))
+        if b is not None:
+            r["speedup_vs_adam"] = b["measured"]["median"] / r["measured"]["median"]
+            r["model_speedup_vs_adam"] = b["model_s"] / r["model_s"]
+
+
+def _label(r) -> str:
+    return r["variant"] if r["stage"] == "step" else f"{r['variant']} {r['stage']}"
+
+
+def tables(report: dict) -> str:
+    """Markdown: the step-time table (measured next to the model) and the link check."""
+    out = ["| hosts | rate | step | MB/step/host | compute s | measured median s [min-max] | model s | "
+           "measured/model | fit compute s, slope | speedup vs Adam (model) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        m = r["measured"]
+        fit = f"{r['fit_compute_s']:.3f}, {r['fit_slope']:.2f}" if "fit_compute_s" in r else "-"
+        sp = f"{r['speedup_vs_adam']:.2f}x ({r['model_speedup_vs_adam']:.2f}x)" if "speedup_vs_adam" in r else "-"
+        out.append(f"| {r['hosts']} | {r['rate']} | {_label(r)} | {r['bytes_per_step'] / 1e6:.2f} | "
+                   f"{r['compute_s']:.3f} | {m['median']:.3f} [{m['min']:.3f}-{m['max']:.3f}] | {r['model_s']:.3f} | "
+                   f"{r['measured_over_model']:.2f} | {fit} | {sp} |")
+    out += ["", "| hosts | rate | host | accounted MB sent | qdisc MB up | qdisc MB down | up / accounted |",
+            "|---|---|---|---|---|---|---|"]
+    for link in report["links"]:
+        for h in link["per_host"]:
+            ratio = f"{h['ratio_up']:.3f}" if h["ratio_up"] else "-"
+            out.append(f"| {link['hosts']} | {link['rate']} | {h['host']} | {h['accounted'] / 1e6:.2f} | "
+                       f"{h['qdisc_up'] / 1e6:.2f} | {h['qdisc_down'] / 1e6:.2f} | {ratio} |")
+    return "\n".join(out)
+
+
+def plot(report: dict, path: pathlib.Path) -> pathlib.Path | None:
+    """Bars of the measured medians (min-max whiskers) with the model as markers, one panel per host count."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    hosts = sorted({r["hosts"] for r in report["rows"]})
+    fig, axes = plt.subplots(1, len(hosts), figsize=(6 * len(hosts), 4), squeeze=False)
+    for ax, h in zip(axes[0], hosts, strict=True):
+        rows = [r for r in report["rows"] if r["hosts"] == h]
+        rates = list(dict.fromkeys(r["rate"] for r in rows))
+        labels = list(dict.fromkeys(_label(r) for r in rows))
+        width = 0.8 / len(labels)
+        for j, lab in enumerate(labels):
+            sel = [next(r for r in rows if r["rate"] == rate and _label(r) == lab) for rate in rates]
+            xs = [i + (j - (len(labels) - 1) / 2) * width for i in range(len(rates))]
+            med = [r["measured"]["median"] for r in sel]
+            err = [[m - r["measured"]["min"] for m, r in zip(med, sel, strict=True)],
+                   [r["measured"]["max"] - m for m, r in zip(med, sel, strict=True)]]
+            ax.bar(xs, med, width, yerr=err, capsize=3, label=lab)
+            ax.scatter(xs, [r["model_s"] for r in sel], color="black", marker="_", s=200, zorder=3,
+                       label="model" if j == 0 else None)
+        ax.set_xticks(range(len(rates)), rates)
+        ax.set_ylabel("step time (s)")
+        ax.set_title(f"BERT data-parallel step, {h} emulated hosts")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
