@@ -63,6 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--subnet", default=DEFAULT_SUBNET, help="first three octets of the /24 used")
     p.add_argument("--out", default=str(RESULTS / "cluster.json"))
     p.add_argument("--cleanup", action="store_true", help="only remove leftovers with --prefix and exit")
+    p.add_argument("--from-json", help="print the tables and redraw the PNG of an earlier report; no cluster")
     args = p.parse_args(argv)
     for r in args.rates:
         rate_bits(r)
@@ -174,6 +175,11 @@ def run_hosts(hosts: int, args) -> dict:
 
 
 def main(args) -> int:
+    if args.from_json:
+        report = json.loads(pathlib.Path(args.from_json).read_text())
+        print(bwmodel.tables(report))
+        print(f"wrote {bwmodel.plot(report, pathlib.Path(args.from_json).with_suffix('.png'))}")
+        return 0
     why = missing_requirements()
     if why:
         print(f"benchmarks/cluster: {why}", file=sys.stderr)
