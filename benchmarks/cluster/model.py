@@ -117,9 +117,6 @@ def _key(r):
     return r["hosts"], r["variant"], r["stage"]
 
 
-MIN_FIT_RANGE_S = 0.05  # below this the rates change the wire time less than the noise: no fit
-
-
 def _add_fits(rows: list[dict]) -> None:
     groups: dict = {}
     for r in rows:
@@ -127,7 +124,8 @@ def _add_fits(rows: list[dict]) -> None:
     for group in groups.values():
         pts = [(8 * r["wire_bytes_per_step"] / rate_bits(r["rate"]), r["measured"]["median"]) for r in group]
         xs = [p[0] for p in pts]
-        if max(xs) - min(xs) < MIN_FIT_RANGE_S:
+        noise = max(r["measured"]["max"] - r["measured"]["min"] for r in group)
+        if max(xs) - min(xs) <= noise:  # the rates move the wire time less than the steps scatter: no line
             continue
         c, s = fit_two_term(pts)
         for r in group:

@@ -240,10 +240,10 @@ def test_fit_two_term_recovers_line():
         model.fit_two_term([(1.0, 2.0), (1.0, 3.0)])
 
 
-def _fake_run(hosts=2):
-    """Worker records shaped like worker.py's, with round numbers."""
+def _fake_run(hosts=2, times=((0.5, 0.2), (1.9, 0.25))):
+    """Worker records shaped like worker.py's, with round numbers; ``times``: (adam, compression) per rate."""
     phases = []
-    for adam, comp in ((0.5, 0.2), (1.9, 0.25)):  # 1gbit, 200mbit
+    for adam, comp in times:
         phases.append(dict(variants={
             "adam": dict(dist_s={"step": [adam, adam * 1.1, adam * 0.9]}, local_s={"step": [0.1, 0.1, 0.1]},
                          dist_steps={"step": 4}),
@@ -253,7 +253,8 @@ def _fake_run(hosts=2):
     worker = dict(comm_bytes_per_step={"adam": {"step": 40e6}, "onebit": {"warmup": 40e6, "compression": 1.25e6}},
                   phases=phases)
     per_phase = 4 * 40e6 + 4 * 40e6 + 4 * 1.25e6
-    counters = [dict(up=[k * per_phase * 1.05] * hosts, down=[k * per_phase * 1.05] * hosts) for k in range(3)]
+    counters = [dict(up=[k * per_phase * 1.05] * hosts, down=[k * per_phase * 1.05] * hosts)
+                for k in range(len(times) + 1)]
     return dict(hosts=hosts, workers=[worker] * hosts, counters=counters)
 
 
@@ -273,8 +274,24 @@ def test_summarise_rows_links_and_speedups():
     slope = (1.9 - 0.5) / (x2 - x1)
     assert adam["fit_slope"] == pytest.approx(slope)
     assert adam["fit_compute_s"] == pytest.approx(0.5 - slope * x1)
+    # 15% of the steps in warmup (adam's time), 85% compressed
+    (w,) = [w for w in report["whole_run"] if w["rate"] == "200mbit"]
+    assert w["speedup"] == pytest.approx(1.9 / (0.15 * 1.9 + 0.85 * 0.25))
+    assert "model_unshaped_s" not in adam  # no phase fast enough to count as unshaped
     text = model.tables(report)
     assert "| 2 | 200mbit | onebit compression | 1.25 |" in text
+
+
+def test_summarise_unshaped_compute():
+    """A 10gbit phase gives the second model's compute: its median minus its own (small) wire time."""
+    report = model.summarise([_fake_run(times=((0.9, 0.3), (1.0, 0.3), (2.5, 0.35)))], ["10gbit", "1gbit", "200mbit"])
+    rows = {(r["rate"], r["variant"], r["stage"]): r for r in report["rows"]}
+    wire = 40e6 * 1.05
+    compute = 0.9 - 8 * wire / 1e10
+    assert rows[("200mbit", "adam", "step")]["unshaped_compute_s"] == pytest.approx(compute)
+    assert rows[("200mbit", "adam", "step")]["model_unshaped_s"] == pytest.approx(compute + 8 * wire / 2e8)
+    # the compression stage's rates change its wire time by less than the noise: no line is fitted
+    assert "fit_slope" not in rows[("200mbit", "onebit", "compression")]
 
 
 # ------------------------------------------------------------------------------------- real cluster (root only)
