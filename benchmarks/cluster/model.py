@@ -107,9 +107,13 @@ def whole_run(rows: list[dict], warmup_fraction: float = 0.15) -> list[dict]:
         if variant != "adam" or warm is None or comp is None:
             continue
         measured = mix(warm["measured"]["median"], comp["measured"]["median"])
-        out.append(dict(hosts=hosts, rate=rate, warmup_fraction=warmup_fraction,
-                        speedup=adam["measured"]["median"] / measured,
-                        model_speedup=adam["model_s"] / mix(warm["model_s"], comp["model_s"])))
+        row = dict(hosts=hosts, rate=rate, warmup_fraction=warmup_fraction,
+                   speedup=adam["measured"]["median"] / measured,
+                   model_speedup=adam["model_s"] / mix(warm["model_s"], comp["model_s"]))
+        if all("model_unshaped_s" in r for r in (adam, warm, comp)):
+            row["model_unshaped_speedup"] = adam["model_unshaped_s"] / mix(warm["model_unshaped_s"],
+                                                                          comp["model_unshaped_s"])
+        out.append(row)
     return out
 
 
@@ -160,28 +164,41 @@ def _add_speedups(rows: list[dict]) -> None:
         if b is not None:
             r["speedup_vs_adam"] = b["measured"]["median"] / r["measured"]["median"]
             r["model_speedup_vs_adam"] = b["model_s"] / r["model_s"]
+            if "model_unshaped_s" in r and "model_unshaped_s" in b:
+                r["model_unshaped_speedup_vs_adam"] = b["model_unshaped_s"] / r["model_unshaped_s"]
+                r["measured_over_model_unshaped"] = r["measured"]["median"] / r["model_unshaped_s"]
 
 
 def _label(r) -> str:
     return r["variant"] if r["stage"] == "step" else f"{r['variant']} {r['stage']}"
 
 
+def _opt(r: dict, key: str, fmt: str) -> str:
+    return format(r[key], fmt) if key in r else "-"
+
+
 def tables(report: dict) -> str:
-    """Markdown: the step-time table (measured next to the model) and the link check."""
-    out = ["| hosts | rate | step | MB/step/host | compute s | measured median s [min-max] | model s | "
-           "measured/model | model, unshaped compute s | fit compute s, slope | speedup vs Adam (model) |",
+    """Markdown: the step-time table (measured next to both models) and the link check.
+
+    Model A takes the compute from the local (no network) step, model B from the unshaped phase."""
+    out = ["| hosts | rate | step | MB sent/step/host | local compute s | measured median s [min-max] | model A s | "
+           "model B s | measured / B | fit: compute s, slope | speedup vs Adam: measured (A, B) |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         m = r["measured"]
         fit = f"{r['fit_compute_s']:.3f}, {r['fit_slope']:.2f}" if "fit_compute_s" in r else "-"
-        sp = f"{r['speedup_vs_adam']:.2f}x ({r['model_speedup_vs_adam']:.2f}x)" if "speedup_vs_adam" in r else "-"
-        unshaped = f"{r['model_unshaped_s']:.3f}" if "model_unshaped_s" in r else "-"
+        sp = "-"
+        if "speedup_vs_adam" in r:
+            sp = (f"{r['speedup_vs_adam']:.2f}x ({r['model_speedup_vs_adam']:.2f}x, "
+                  f"{_opt(r, 'model_unshaped_speedup_vs_adam', '.2f')}x)")
         out.append(f"| {r['hosts']} | {r['rate']} | {_label(r)} | {r['bytes_per_step'] / 1e6:.2f} | "
                    f"{r['compute_s']:.3f} | {m['median']:.3f} [{m['min']:.3f}-{m['max']:.3f}] | {r['model_s']:.3f} | "
-                   f"{r['measured_over_model']:.2f} | {unshaped} | {fit} | {sp} |")
-    out += ["", "| hosts | rate | whole-run speedup of 1-bit Adam over Adam, 15% warmup (model) |", "|---|---|---|"]
-    out += [f"| {w['hosts']} | {w['rate']} | {w['speedup']:.2f}x ({w['model_speedup']:.2f}x) |"
-            for w in report["whole_run"]]
+                   f"{_opt(r, 'model_unshaped_s', '.3f')} | {_opt(r, 'measured_over_model_unshaped', '.2f')} | "
+                   f"{fit} | {sp} |")
+    out += ["", "| hosts | rate | whole-run speedup of 1-bit Adam over Adam, 15% warmup: measured (A, B) |",
+            "|---|---|---|"]
+    out += [f"| {w['hosts']} | {w['rate']} | {w['speedup']:.2f}x ({w['model_speedup']:.2f}x, "
+            f"{_opt(w, 'model_unshaped_speedup', '.2f')}x) |" for w in report["whole_run"]]
     out += ["", "| hosts | rate | host | accounted MB sent | qdisc MB up | qdisc MB down | up / accounted |",
             "|---|---|---|---|---|---|---|"]
     for link in report["links"]:
