@@ -55,6 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rates", nargs="+", default=["1gbit", "200mbit"], help="tc rates, one phase each")
     p.add_argument("--model", default="mini", help="BERT preset (tiny, mini, small, ...)")
     p.add_argument("--batch", type=int, default=4, help="examples per host")
+    p.add_argument("--devices-per-host", type=int, default=1, help="simulated CPU devices per process")
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5, help="timed steps per stage and rate")
     p.add_argument("--variants", nargs="+", default=None, help="worker.VARIANTS names (default: all)")
@@ -103,6 +104,8 @@ def _on_signal(signum, frame):
 
 def _start_workers(layout: Layout, args, sync_dir: pathlib.Path, logs: list) -> list[subprocess.Popen]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if args.devices_per_host > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices_per_host}"
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
     procs = []
     for i in range(layout.hosts):

@@ -2,10 +2,13 @@
 
 Started by ``run.py`` inside a network namespace. For every variant (``VARIANTS``) it compiles two steps of
 the same model and batch: the data-parallel step over every process (``dist``, its collectives cross the
-shaped links) and the same step on this process's device alone (``local``: the compute, no network, run at
-the same time in every process so the CPU contention matches). The run is split in phases, one per link
-rate: before each, every process waits at a file barrier in ``--sync-dir`` while the driver reads the qdisc
-counters and sets the next rate. Process 0's timings and every process's step counts go to ``--out``.
+shaped links) and the same step on this process's devices alone (``local``: the compute, no network, run at
+the same time in every process so the CPU contention matches). With several devices per host
+(``XLA_FLAGS=--xla_force_host_platform_device_count``, set by the driver) the host's batch is split over them.
+
+The run is split in phases, one per link rate: before each, every process waits at a file barrier in
+``--sync-dir`` while the driver reads the qdisc counters and sets the next rate. Process 0's timings and every
+process's step counts go to ``--out``.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 from jonebit import onebit_adam  # noqa: E402
 from jonebit.comm.accounting import comm_report  # noqa: E402
-from jonebit.sharding.mesh import data_mesh, initialize_distributed  # noqa: E402
+from jonebit.sharding.mesh import initialize_distributed  # noqa: E402
 from jonebit.train.data_parallel import init_optimizer, make_step, replicate  # noqa: E402
 
 # lax.cond(count < freeze_step, warmup, compression) lowers to the branches [compression, warmup].
@@ -47,11 +50,19 @@ class Variant:
       grad_reduce: ``make_step``'s ``grad_reduce``.
       stages: the stages timed separately, in the order they run (a staged optimizer switches at
         ``freeze_step``).
+      make_mesh: the mesh of a variant that needs its own layout (e.g. hosts x local devices), built once from
+        every device (the distributed step) and once from this process's devices (the local step).
     """
 
     make_tx: object
     grad_reduce: str | None
     stages: tuple[str, ...] = ("step",)
+    make_mesh: object = None  # make_mesh(devices) -> Mesh with a "data" axis; None: flat 1-D over the devices
+
+    def mesh(self, devices):
+        if self.make_mesh is not None:
+            return self.make_mesh(devices)
+        return jax.make_mesh((len(devices),), ("data",), axis_types=(AxisType.Explicit,), devices=devices)
 
     def stage_bytes(self, report) -> dict[str, float]:
         """Bytes each rank sends per step of each stage, from the compiled step's collectives."""
@@ -175,15 +186,16 @@ def main(args) -> None:
     pid, sync_dir = jax.process_index(), pathlib.Path(args.sync_dir)
     loss_fn, params, vocab = build_model(args.model, args.seq)
     local_batch = make_batch(vocab, args.batch, args.seq, seed=pid)
-    mesh = data_mesh()
-    local_mesh = jax.make_mesh((1,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.local_devices()[:1])
+    if args.batch % jax.local_device_count():
+        raise SystemExit(f"--batch {args.batch} must be divisible by the {jax.local_device_count()} devices per host")
     freeze = args.repeats + 1  # the warmup stage: one untimed step, then `repeats` timed ones
     runners, comm, ops = {}, {}, {}
     t0 = time.perf_counter()
     for name in args.variants:
         v = VARIANTS[name]
+        mesh = v.mesh(jax.devices())
         dist = Runner(loss_fn, v, params, mesh, local_batch, freeze)
-        local = Runner(loss_fn, v, params, local_mesh, local_batch, freeze)
+        local = Runner(loss_fn, v, params, v.mesh(jax.local_devices()), local_batch, freeze)
         runners[name] = dist, local
         report = comm_report(dist.compiled.as_text(), mesh.size)
         comm[name], ops[name] = v.stage_bytes(report), v.stage_ops(report)
