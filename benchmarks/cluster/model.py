@@ -175,8 +175,8 @@ def _label(r) -> str:
     return r["variant"] if r["stage"] == "step" else f"{r['variant']} {r['stage']}"
 
 
-def _opt(r: dict, key: str, fmt: str) -> str:
-    return format(r[key], fmt) if key in r else "-"
+def _opt(r: dict, key: str, fmt: str, suffix: str = "") -> str:
+    return format(r[key], fmt) + suffix if key in r else "-"
 
 
 def tables(report: dict) -> str:
@@ -192,7 +192,7 @@ def tables(report: dict) -> str:
         sp = "-"
         if "speedup_vs_adam" in r:
             sp = (f"{r['speedup_vs_adam']:.2f}x ({r['model_speedup_vs_adam']:.2f}x, "
-                  f"{_opt(r, 'model_unshaped_speedup_vs_adam', '.2f')}x)")
+                  f"{_opt(r, 'model_unshaped_speedup_vs_adam', '.2f', 'x')})")
         out.append(f"| {r['hosts']} | {r['rate']} | {_label(r)} | {r['bytes_per_step'] / 1e6:.2f} | "
                    f"{r['compute_s']:.3f} | {m['median']:.3f} [{m['min']:.3f}-{m['max']:.3f}] | {r['model_s']:.3f} | "
                    f"{_opt(r, 'model_unshaped_s', '.3f')} | {_opt(r, 'measured_over_model_unshaped', '.2f')} | "
@@ -200,7 +200,7 @@ def tables(report: dict) -> str:
     out += ["", "| hosts | rate | whole-run speedup of 1-bit Adam over Adam, 15% warmup: measured (A, B) |",
             "|---|---|---|"]
     out += [f"| {w['hosts']} | {w['rate']} | {w['speedup']:.2f}x ({w['model_speedup']:.2f}x, "
-            f"{_opt(w, 'model_unshaped_speedup', '.2f')}x) |" for w in report["whole_run"]]
+            f"{_opt(w, 'model_unshaped_speedup', '.2f', 'x')}) |" for w in report["whole_run"]]
     out += ["", "| hosts | rate | host | accounted MB sent | qdisc MB up | qdisc MB down | up / accounted |",
             "|---|---|---|---|---|---|---|"]
     for link in report["links"]:
