@@ -377,3 +377,82 @@ def test_run_script_tears_down_on_sigterm():
     assert "signal 15" in out
     ok, found = _no_leftovers("jbs")
     assert ok, found
+
+
+# ------------------------------------------------------------------------------------------- worker (no root)
+
+
+def test_variant_stage_bytes_match_formulas():
+    """The stages' bytes come from the right branches of the compiled 1-bit step: warmup is the fp32 ring
+    all-reduce of the gradients, compression the spec's 1-bit formula; Adam's step is the fp32 all-reduce."""
+    import jax
+    import numpy as np
+
+    from benchmarks.cluster import worker
+    from jonebit.comm import compressed_bytes_per_rank
+    from jonebit.comm.accounting import comm_report
+
+    p = 4
+    params = {"w": np.ones((64, 33), np.float32), "b": np.zeros((33,), np.float32)}
+    n = 64 * 33 + 33
+
+    def loss_fn(q, batch):
+        return jax.numpy.mean((batch @ q["w"] + q["b"]) ** 2)
+
+    batch = {"x": np.ones((p * 2, 64), np.float32)}
+    got = {}
+    for name in ("adam", "onebit"):
+        v = worker.VARIANTS[name]
+        runner = worker.Runner(lambda q, b: loss_fn(q, b["x"]), v, params, v.mesh(jax.devices()[:p]), batch,
+                               freeze_step=2)
+        got[name] = v.stage_bytes(comm_report(runner.compiled.as_text(), p))
+        assert runner.step() > 0
+    ring = 2 * (p - 1) / p * 4  # fp32 all-reduce, bytes per element
+    loss = ring * 1  # the step also averages the loss (one f32)
+    assert got["adam"] == {"step": pytest.approx(ring * n + loss)}
+    assert got["onebit"]["warmup"] == pytest.approx(ring * n + loss)
+    assert got["onebit"]["compression"] == pytest.approx(compressed_bytes_per_rank(n, p) + loss)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_worker_protocol_on_loopback(tmp_path):
+    """Two workers on 127.0.0.1 (no namespaces, no root) go through a phase at the driver's file barrier, time
+    every stage and write their records; the driver's side is played here."""
+    import json
+
+    from jonebit.sharding.mesh import free_port
+    from tests.mpi_util import worker_env
+
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "cluster" / "worker.py"), "--coordinator",
+           f"127.0.0.1:{free_port()}", "--num-processes", "2", "--model", "tiny", "--batch", "2", "--seq", "16",
+           "--repeats", "2", "--phases", "1", "--sync-dir", str(tmp_path), "--barrier-timeout", "200"]
+    procs = [subprocess.Popen(cmd + ["--process-id", str(i), "--out", str(tmp_path / f"w{i}.json")], cwd=ROOT,
+                              env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    try:
+        for phase, go in ((0, "1gbit"), (1, "end")):
+            deadline = time.monotonic() + 240
+            while not all((tmp_path / f"phase{phase}.p{i}.waiting").exists() for i in range(2)):
+                assert all(p.poll() is None for p in procs), [p.communicate()[0][-2000:] for p in procs]
+                assert time.monotonic() < deadline, "workers did not reach the barrier"
+                time.sleep(0.2)
+            (tmp_path / f"phase{phase}.go").write_text(go)
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [o[-2000:] for o in outs]
+    for i in range(2):
+        rec = json.loads((tmp_path / f"w{i}.json").read_text())
+        assert rec["process_id"] == i and rec["num_processes"] == 2 and rec["devices"] == 2
+        (phase,) = rec["phases"]
+        assert phase["rate"] == "1gbit"
+        assert phase["variants"]["adam"]["dist_steps"] == {"step": 3}
+        assert phase["variants"]["onebit"]["dist_steps"] == {"warmup": 3, "compression": 3}
+        assert all(len(t) == 2 and min(t) > 0 for v in phase["variants"].values() for t in v["dist_s"].values())
+        comm = rec["comm_bytes_per_step"]
+        # 2 ranks: a ring all-reduce sends the whole array once; plus the loss (one f32)
+        assert comm["onebit"]["warmup"] == comm["adam"]["step"] == pytest.approx(4 * rec["params"] + 4)
+        assert comm["onebit"]["compression"] < comm["adam"]["step"] / 30
