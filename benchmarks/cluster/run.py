@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--devices-per-host", type=int, default=1, help="simulated CPU devices per process")
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5, help="timed steps per stage and rate")
-    p.add_argument("--variants", nargs="+", default=None, help="worker.VARIANTS names (default: all)")
+    p.add_argument("--variants", nargs="+", default=None, help="worker.VARIANTS names (default: adam onebit)")
     p.add_argument("--timeout", type=float, default=600, help="seconds allowed per host count (then killed)")
     p.add_argument("--prefix", default=DEFAULT_PREFIX, help="name prefix of namespaces and interfaces")
     p.add_argument("--subnet", default=DEFAULT_SUBNET, help="first three octets of the /24 used")
@@ -68,7 +68,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "tables and redraw its PNG (no cluster, no root)")
     args = p.parse_args(argv)
     for r in args.rates:
-        rate_bits(r)
+        try:
+            rate_bits(r)
+        except ValueError as e:
+            p.error(f"--rates: {e}")
+    for name, value in (("--repeats", args.repeats), ("--devices-per-host", args.devices_per_host),
+                        ("--batch", args.batch), ("--seq", args.seq)):
+        if value < 1:
+            p.error(f"{name} must be at least 1, got {value}")
+    if args.batch % args.devices_per_host:
+        p.error(f"--batch {args.batch} (examples per host) must be divisible by --devices-per-host "
+                f"{args.devices_per_host}")
+    if any(h < 1 for h in args.hosts):
+        p.error(f"--hosts must all be at least 1, got {args.hosts}")
     return args
 
 
@@ -207,6 +219,8 @@ def main(args) -> int:
             runs.append(run_hosts(hosts, args))
             print(f"hosts={hosts}: {time.perf_counter() - t0:.0f} s", flush=True)
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second Ctrl-C must not stop the clean-up
+            signal.signal(sig, signal.SIG_IGN)
         left = leftovers(args.prefix)
         if any(left.values()):
             print(f"teardown left {left}; removing", file=sys.stderr)

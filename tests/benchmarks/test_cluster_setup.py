@@ -456,3 +456,17 @@ def test_worker_protocol_on_loopback(tmp_path):
         # 2 ranks: a ring all-reduce sends the whole array once; plus the loss (one f32)
         assert comm["onebit"]["warmup"] == comm["adam"]["step"] == pytest.approx(4 * rec["params"] + 4)
         assert comm["onebit"]["compression"] < comm["adam"]["step"] / 30
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--rates", "1gb"], "--rates: rate must look like"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--batch", "3", "--devices-per-host", "2"], "must be divisible by --devices-per-host 2"),
+    (["--hosts", "2", "0"], "--hosts must all be at least 1"),
+])
+def test_run_rejects_bad_arguments(argv, match, capsys):
+    from benchmarks.cluster import run
+
+    with pytest.raises(SystemExit, match="^2$"):  # argparse's usage error; the message goes to stderr
+        run.parse_args(argv)
+    assert match in capsys.readouterr().err
