@@ -23,6 +23,7 @@ import re
 import shutil
 import socket
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 
 DEFAULT_PREFIX = "jbc"
@@ -178,10 +179,12 @@ def exec_prefix(layout: Layout, i: int) -> list[str]:
 
 
 def teardown_commands(layout: Layout) -> list[list[str]]:
-    """argv lists that remove everything :func:`setup_commands` makes (deleting a namespace deletes its veth
-    pair, and with it the qdiscs). Each may fail harmlessly if that piece was never made."""
-    return [["ip", "netns", "del", layout.netns(i)] for i in range(layout.hosts)] + [
-        ["ip", "link", "del", layout.bridge]]
+    """argv lists that remove everything :func:`setup_commands` makes. Deleting a namespace deletes its veth
+    pair only once the kernel has finished with the namespace (asynchronously), so each pair is also deleted
+    by its bridge end; the qdiscs go with the veths. Each may fail harmlessly if that piece is already gone."""
+    return ([["ip", "netns", "del", layout.netns(i)] for i in range(layout.hosts)]
+            + [["ip", "link", "del", layout.host_veth(i)] for i in range(layout.hosts)]
+            + [["ip", "link", "del", layout.bridge]])
 
 
 def find_leftovers(prefix: str, netns_list: str, link_list: str, etc_entries: Sequence[str] = ()) -> dict:
@@ -212,6 +215,15 @@ def cleanup_commands(leftovers: dict) -> list[list[str]]:
     return cmds
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie has already left its namespaces)."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
 def kill_namespace_processes(netns: str, runner: Runner) -> list[str]:
     """SIGKILLs every process still inside ``netns`` (started there by this cluster's run: a namespace with a
     live process outlives ``ip netns del`` and keeps its veth). Returns errors instead of raising."""
@@ -227,6 +239,9 @@ def kill_namespace_processes(netns: str, runner: Runner) -> list[str]:
             pass
         except OSError as e:
             errors.append(f"kill {pid} in {netns}: {e}")
+    deadline = time.monotonic() + 5  # a killed process holds the namespace until it has fully exited
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
     return errors
 
 

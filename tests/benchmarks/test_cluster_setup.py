@@ -97,16 +97,17 @@ def test_setup_commands_layout():
 
 
 def test_teardown_removes_everything_setup_makes():
-    """Deleting a namespace deletes the veth pair inside it; the bridge is deleted by name."""
+    """Every namespace, the bridge, and every veth pair (by its bridge end: deleting one end deletes both) are
+    deleted by name; namespaces first."""
     layout = Layout(3, prefix="jbx")
     netns, links = _created_names(setup_commands(layout))
     down = teardown_commands(layout)
     deleted_ns = {c[3] for c in down if c[:3] == ["ip", "netns", "del"]}
     deleted_links = {c[3] for c in down if c[:3] == ["ip", "link", "del"]}
     assert deleted_ns == netns
-    # every veth has one end in a deleted namespace (n{i}) and its peer is h{i}: both go with the namespace
-    assert links - deleted_links == {f"jbxh{i}" for i in range(3)} | {f"jbxn{i}" for i in range(3)}
-    assert deleted_links == {"jbxbr"}
+    assert links - deleted_links == {f"jbxn{i}" for i in range(3)}  # the peers of deleted ends
+    assert deleted_links == {"jbxbr"} | {f"jbxh{i}" for i in range(3)}
+    assert all(c[1] == "netns" for c in down[:3])
 
 
 def test_shape_commands_both_ends():
@@ -213,8 +214,9 @@ def test_cluster_tears_down_on_error_in_body_and_never_raises(tmp_path):
             raise KeyboardInterrupt
     assert c.torn_down
     # every teardown command ran although each one failed; the errors are returned, not raised
-    assert rec.calls[-3:] == teardown_commands(layout)
-    assert len(c.teardown()) == 3
+    n = len(teardown_commands(layout))
+    assert rec.calls[-n:] == teardown_commands(layout)
+    assert len(c.teardown()) == n
 
 
 # ---------------------------------------------------------------------------------------------- bandwidth model
