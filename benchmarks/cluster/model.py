@@ -1,0 +1,250 @@
+"""The bandwidth model and the summary of an emulated-cluster run (pure functions: tested without a cluster).
+
+    step time = compute + wire bytes / bandwidth + latency x message rounds
+
+``compute`` is the same step on one device with no network (measured in the same processes, at the same
+time, so the CPU contention matches); ``wire bytes`` are the bytes the compiled program's collectives send
+per host (``jonebit.comm.accounting``) times the framing overhead measured on the links (qdisc bytes over
+accounted bytes: Ethernet + IP + TCP headers, about 4.6% at MTU 1500); ``bandwidth`` is the HTB rate. The
+kernel here has no netem, so the emulated links add no latency worth counting (a veth hop is microseconds);
+the latency term is there for extrapolation to real networks, where it is computed, not measured.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import statistics
+
+from benchmarks.cluster.netns import rate_bits
+
+
+def message_rounds(ops: list[str], group: int) -> int:
+    """Sequential point-to-point rounds of a ring implementation of ``ops`` over ``group`` ranks (each round
+    pays one latency): all-reduce ``2 (P-1)``, all-gather / all-to-all / reduce-scatter ``P-1``, permute 1."""
+    if group < 2:
+        return 0
+    per_op = {"all-reduce": 2 * (group - 1), "collective-permute": 1}
+    return sum(per_op.get(op, group - 1) for op in ops)
+
+
+def predict(compute_s: float, wire_bytes: float, rate: str | float, latency_s: float = 0.0, rounds: int = 0) -> float:
+    """Step time of the model. ``rate``: a tc rate string or bits per second."""
+    bits = rate_bits(rate) if isinstance(rate, str) else float(rate)
+    return compute_s + 8.0 * wire_bytes / bits + latency_s * rounds
+
+
+def fit_two_term(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``t = c + s x`` through ``(x, t)`` points (x = ideal seconds on the wire); ``(c, s)``.
+
+    ``c`` is the compute the rates imply, ``s`` how much slower than the nominal rate the bytes really move
+    (1 = at the HTB rate exactly)."""
+    if len(points) < 2:
+        raise ValueError(f"fit_two_term needs at least 2 points at different rates, got {len(points)}")
+    xs, ts = [p[0] for p in points], [p[1] for p in points]
+    mx, mt = statistics.fmean(xs), statistics.fmean(ts)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        raise ValueError("fit_two_term: every point has the same wire time; use at least two different rates")
+    s = sum((x - mx) * (t - mt) for x, t in zip(xs, ts, strict=True)) / sxx
+    return mt - s * mx, s
+
+
+def spread(times: list[float]) -> dict:
+    med = statistics.median(times)
+    return dict(median=med, min=min(times), max=max(times), spread=(max(times) - min(times)) / med, n=len(times))
+
+
+def expected_phase_bytes(worker: dict, phase: int) -> float:
+    """Bytes one host should send in a phase: every step it ran times its stage's accounted bytes."""
+    total = 0.0
+    for name, rec in worker["phases"][phase]["variants"].items():
+        for stage, n in rec["dist_steps"].items():
+            total += n * worker["comm_bytes_per_step"][name][stage]
+    return total
+
+
+def summarise(runs: list[dict], rates: list[str]) -> dict:
+    """Rows (one per hosts x rate x variant stage) with measured and modelled times, and the link checks."""
+    rows, links = [], []
+    for run in runs:
+        hosts, w0, counters = run["hosts"], run["workers"][0], run["counters"]
+        overhead = {}
+        for k, rate in enumerate(rates):
+            per_host = []
+            for i, w in enumerate(run["workers"]):
+                # The accounting is per device; with one device per host that is what crosses the host's link.
+                # With several, part of a ring stays inside the host: no per-host expectation is made.
+                want = expected_phase_bytes(w, k) if w.get("devices", hosts) == hosts else 0.0
+                up = counters[k + 1]["up"][i] - counters[k]["up"][i]
+                down = counters[k + 1]["down"][i] - counters[k]["down"][i]
+                per_host.append(dict(host=i, accounted=want, qdisc_up=up, qdisc_down=down,
+                                     ratio_up=up / want if want else None))
+            ratios = [h["ratio_up"] for h in per_host if h["ratio_up"]]
+            overhead[rate] = statistics.fmean(ratios) if ratios else 1.0
+            links.append(dict(hosts=hosts, rate=rate, per_host=per_host, mean_ratio=overhead[rate]))
+        for k, rate in enumerate(rates):
+            for name, rec in w0["phases"][k]["variants"].items():
+                for stage, times in rec["dist_s"].items():
+                    acct = w0["comm_bytes_per_step"][name][stage]
+                    compute = statistics.median(rec["local_s"][stage])
+                    m = spread(times)
+                    model = predict(compute, acct * overhead[rate], rate)
+                    rows.append(dict(hosts=hosts, rate=rate, variant=name, stage=stage, bytes_per_step=acct,
+                                     wire_bytes_per_step=acct * overhead[rate], compute_s=compute,
+                                     measured=m, model_s=model, measured_over_model=m["median"] / model))
+    _add_fits(rows)
+    _add_unshaped(rows)
+    _add_speedups(rows)
+    return dict(rows=rows, links=links, whole_run=whole_run(rows), model=__doc__.split("\n\n")[1].strip())
+
+
+def whole_run(rows: list[dict], warmup_fraction: float = 0.15) -> list[dict]:
+    """Time of a run with ``warmup_fraction`` of its steps in 1-bit Adam's warmup stage, relative to Adam's
+    (from the per-step medians, measured and modelled)."""
+    out = []
+    by = {(r["hosts"], r["rate"], r["variant"], r["stage"]): r for r in rows}
+    mix = lambda w, c: warmup_fraction * w + (1 - warmup_fraction) * c  # noqa: E731
+    for (hosts, rate, variant, _), adam in by.items():
+        warm, comp = by.get((hosts, rate, "onebit", "warmup")), by.get((hosts, rate, "onebit", "compression"))
+        if variant != "adam" or warm is None or comp is None:
+            continue
+        measured = mix(warm["measured"]["median"], comp["measured"]["median"])
+        row = dict(hosts=hosts, rate=rate, warmup_fraction=warmup_fraction,
+                   speedup=adam["measured"]["median"] / measured,
+                   model_speedup=adam["model_s"] / mix(warm["model_s"], comp["model_s"]))
+        if all("model_unshaped_s" in r for r in (adam, warm, comp)):
+            row["model_unshaped_speedup"] = adam["model_unshaped_s"] / mix(warm["model_unshaped_s"],
+                                                                          comp["model_unshaped_s"])
+        out.append(row)
+    return out
+
+
+def _key(r):
+    return r["hosts"], r["variant"], r["stage"]
+
+
+def _add_fits(rows: list[dict]) -> None:
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(_key(r), []).append(r)
+    for group in groups.values():
+        pts = [(8 * r["wire_bytes_per_step"] / rate_bits(r["rate"]), r["measured"]["median"]) for r in group]
+        xs = [p[0] for p in pts]
+        noise = max(r["measured"]["max"] - r["measured"]["min"] for r in group)
+        if max(xs) - min(xs) <= noise:  # the rates move the wire time less than the steps scatter: no line
+            continue
+        c, s = fit_two_term(pts)
+        for r in group:
+            r["fit_compute_s"], r["fit_slope"] = c, s
+
+
+UNSHAPED_BITS = 5e9  # a phase at least this fast is taken as "unshaped": gloo is CPU-bound well below it here
+
+
+def _add_unshaped(rows: list[dict]) -> None:
+    """Second model: the compute taken from the fastest phase (rate >= ``UNSHAPED_BITS``), which includes what
+    the local step lacks (gloo's CPU work, waiting for the slower process), plus the wire time at each rate."""
+    fast: dict = {}
+    for r in rows:
+        bits = rate_bits(r["rate"])
+        if bits >= UNSHAPED_BITS and bits > fast.get(_key(r), (0, None))[0]:
+            fast[_key(r)] = bits, r
+    for r in rows:
+        if _key(r) not in fast:
+            continue
+        bits, f = fast[_key(r)]
+        compute = f["measured"]["median"] - 8 * f["wire_bytes_per_step"] / bits
+        r["unshaped_compute_s"] = compute
+        r["model_unshaped_s"] = predict(compute, r["wire_bytes_per_step"], r["rate"])
+
+
+def _add_speedups(rows: list[dict]) -> None:
+    """Each row's speedup over the full-precision Adam step at the same hosts and rate (measured, and model)."""
+    base = {(r["hosts"], r["rate"]): r for r in rows if r["variant"] == "adam"}
+    for r in rows:
+        b = base.get((r["hosts"], r["rate"]))
+        if b is not None:
+            r["speedup_vs_adam"] = b["measured"]["median"] / r["measured"]["median"]
+            r["model_speedup_vs_adam"] = b["model_s"] / r["model_s"]
+            if "model_unshaped_s" in r and "model_unshaped_s" in b:
+                r["model_unshaped_speedup_vs_adam"] = b["model_unshaped_s"] / r["model_unshaped_s"]
+                r["measured_over_model_unshaped"] = r["measured"]["median"] / r["model_unshaped_s"]
+
+
+def _label(r) -> str:
+    return r["variant"] if r["stage"] == "step" else f"{r['variant']} {r['stage']}"
+
+
+def _opt(r: dict, key: str, fmt: str, suffix: str = "") -> str:
+    return format(r[key], fmt) + suffix if key in r else "-"
+
+
+def tables(report: dict) -> str:
+    """Markdown: the step-time table (measured next to both models) and the link check.
+
+    Model A takes the compute from the local (no network) step, model B from the unshaped phase."""
+    out = ["| hosts | rate | step | MB sent/step/host | local compute s | measured median s [min-max] | model A s | "
+           "model B s | measured / B | fit: compute s, slope | speedup vs Adam: measured (A, B) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        m = r["measured"]
+        fit = f"{r['fit_compute_s']:.3f}, {r['fit_slope']:.2f}" if "fit_compute_s" in r else "-"
+        sp = "-"
+        if "speedup_vs_adam" in r:
+            sp = (f"{r['speedup_vs_adam']:.2f}x ({r['model_speedup_vs_adam']:.2f}x, "
+                  f"{_opt(r, 'model_unshaped_speedup_vs_adam', '.2f', 'x')})")
+        out.append(f"| {r['hosts']} | {r['rate']} | {_label(r)} | {r['bytes_per_step'] / 1e6:.2f} | "
+                   f"{r['compute_s']:.3f} | {m['median']:.3f} [{m['min']:.3f}-{m['max']:.3f}] | {r['model_s']:.3f} | "
+                   f"{_opt(r, 'model_unshaped_s', '.3f')} | {_opt(r, 'measured_over_model_unshaped', '.2f')} | "
+                   f"{fit} | {sp} |")
+    out += ["", "| hosts | rate | whole-run speedup of 1-bit Adam over Adam, 15% warmup: measured (A, B) |",
+            "|---|---|---|"]
+    out += [f"| {w['hosts']} | {w['rate']} | {w['speedup']:.2f}x ({w['model_speedup']:.2f}x, "
+            f"{_opt(w, 'model_unshaped_speedup', '.2f', 'x')}) |" for w in report["whole_run"]]
+    out += ["", "| hosts | rate | host | accounted MB sent | qdisc MB up | qdisc MB down | up / accounted |",
+            "|---|---|---|---|---|---|---|"]
+    for link in report["links"]:
+        for h in link["per_host"]:
+            ratio = f"{h['ratio_up']:.3f}" if h["ratio_up"] else "-"
+            out.append(f"| {link['hosts']} | {link['rate']} | {h['host']} | {h['accounted'] / 1e6:.2f} | "
+                       f"{h['qdisc_up'] / 1e6:.2f} | {h['qdisc_down'] / 1e6:.2f} | {ratio} |")
+    return "\n".join(out)
+
+
+def plot(report: dict, path: pathlib.Path) -> pathlib.Path | None:
+    """Bars of the measured medians (min-max whiskers) with the model as markers, one panel per host count."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    hosts = sorted({r["hosts"] for r in report["rows"]})
+    fig, axes = plt.subplots(1, len(hosts), figsize=(6 * len(hosts), 4), squeeze=False)
+    for ax, h in zip(axes[0], hosts, strict=True):
+        rows = [r for r in report["rows"] if r["hosts"] == h]
+        rates = list(dict.fromkeys(r["rate"] for r in rows))
+        labels = list(dict.fromkeys(_label(r) for r in rows))
+        width = 0.8 / len(labels)
+        for j, lab in enumerate(labels):
+            sel = [next(r for r in rows if r["rate"] == rate and _label(r) == lab) for rate in rates]
+            xs = [i + (j - (len(labels) - 1) / 2) * width for i in range(len(rates))]
+            med = [r["measured"]["median"] for r in sel]
+            err = [[m - r["measured"]["min"] for m, r in zip(med, sel, strict=True)],
+                   [r["measured"]["max"] - m for m, r in zip(med, sel, strict=True)]]
+            ax.bar(xs, med, width, yerr=err, capsize=3, label=lab)
+            ax.scatter(xs, [r["model_s"] for r in sel], color="black", marker="_", s=200, zorder=3,
+                       label="model (local compute)" if j == 0 else None)
+            unshaped = [(x, r["model_unshaped_s"]) for x, r in zip(xs, sel, strict=True) if "model_unshaped_s" in r]
+            if unshaped:
+                ax.scatter(*zip(*unshaped, strict=True), color="dimgray", marker="x", s=40, zorder=3,
+                           label="model (unshaped compute)" if j == 0 else None)
+        ax.set_xticks(range(len(rates)), rates)
+        ax.set_ylabel("step time (s)")
+        ax.set_title(f"BERT data-parallel step, {h} emulated hosts")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
