@@ -109,8 +109,9 @@ def _check_scalar(name: str, value, *, low: float, high: float = np.inf, open_lo
         if not np.isfinite(value):
             raise ValueError(f"onebit_adam: {name} must be a finite number, got {value}")
         if (value <= low if open_low else value < low) or (value >= high if open_high else value > high):
-            interval = ("(" if open_low else "[") + f"{low:g}, {high:g}" + (")" if open_high else "]")
-            raise ValueError(f"onebit_adam: {name} must be in {interval}, got {value}")
+            bounds = [f"{'>' if open_low else '>='} {low:g}"] + ([f"{'<' if open_high else '<='} {high:g}"]
+                                                                  if np.isfinite(high) else [])
+            raise ValueError(f"onebit_adam: {name} must be {' and '.join(bounds)}, got {value}")
         return
     if _is_array(value) or (schedule and callable(value)):
         return
