@@ -18,6 +18,12 @@ Two stages, switched inside one compiled step by ``lax.cond`` on the update coun
 In both stages the update is ``-lr (m / (sqrt(v) + eps) + weight_decay p)`` (decoupled weight decay).
 Like DeepSpeed there is no bias correction unless ``bias_correction=True``.
 
+A NaN or inf in one rank's gradient would reach every rank through the mean (warmup) or the compressed
+allreduce's scales (compression) and stay in the momentum and error buffers for good. So each update first
+all-reduces one flag, and when any rank's gradient is not finite every rank skips the update together
+(``nonfinite="skip"``: zero updates, state unchanged, ``state.skipped`` counts it) or also raises
+(``nonfinite="raise"``).
+
 ``init`` and ``update`` run in the per-device view: inside ``jax.shard_map`` over ``axis_name`` (the
 usual way), or in each MPI process when ``mpi_comm`` is given. :func:`state_specs` returns the
 ``PartitionSpec`` tree that carries the state in and out of ``shard_map``: ``m``, ``v`` and the count
@@ -174,7 +180,7 @@ class _Ones:
 
 
 def _normalise_mask(mask):
-    """Validates exp_avg_mask's values once: leaves become float32 numpy arrays of 0/1, or None (all ones)."""
+    """Validates exp_avg_mask's values once: leaves become float32 numpy arrays of 0/1, or :class:`_Ones`."""
     if mask is None:
         return None
 
