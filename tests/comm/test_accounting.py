@@ -48,12 +48,14 @@ def test_onebit_adam_stage_bytes_match_the_spec_formula():
     grads = shard_batch({"w": np.zeros((8, 37, 29), np.float32), "b": np.zeros((8, 11), np.float32)}, mesh)
     hlo = make_update(tx, mesh, specs).lower(params, state, grads).compile().as_text()
     report = comm_report(hlo, 8)
-    assert report.always == ()
+    # Always: the 4-byte all-reduce of the non-finite flag; nothing else outside the two branches.
+    assert [(c.op, c.result_bytes) for c in report.always] == [("all-reduce", 4)]
+    flag = 2 * 7 / 8 * 4
     compression, warmup = report.branches[0]
     assert sorted(c.op for c in compression) == ["all-gather", "all-to-all"]  # no full-precision all-reduce
     assert all(c.op == "all-reduce" for c in warmup)
-    assert report.branch_bytes(0) == compressed_bytes_per_rank(n, 8)
-    assert report.branch_bytes(1) == 2 * 7 / 8 * 4 * n
+    assert report.branch_bytes(0) == compressed_bytes_per_rank(n, 8) + flag
+    assert report.branch_bytes(1) == 2 * 7 / 8 * 4 * n + flag
 
 
 def test_adamw_with_mean_allreduce():
