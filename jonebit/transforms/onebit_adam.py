@@ -36,7 +36,6 @@ References:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -322,26 +321,17 @@ def _raise_nonfinite(count, mine) -> None:
     )
 
 
-def _guard_nonfinite(backend, mode: str, grads, momentum, state, step):
-    """``step()`` unless some rank's gradient or momentum is not finite (decided by one all-reduced flag): then
-    every rank returns zero updates and ``state`` bitwise unchanged but for ``skipped + 1``; with ``mode='raise'``
-    a host callback raises ``FloatingPointError`` as well (the step call fails with it).
-
-    The step's results are selected away rather than branched around: the selects fuse into the step's own
-    element-wise work, and the outputs keep the step's types (shard_map's varying axes) without reconciling two
-    branches.
-    """
+def _nonfinite_flag(backend, grads, momentum, mode: str):
+    """``(bad, on_skip)``: ``bad`` is True on every rank when any rank's gradient or momentum is not finite (one
+    all-reduced int32); ``on_skip()``, called in the step's skip branch, raises on the host when ``mode='raise'``."""
     mine = _local_nonfinite(grads, momentum)
     bad = backend.max(mine.astype(jnp.int32)) > 0
-    updates, new_state = step()
-    if mode == "raise":
-        lax.cond(bad, lambda: io_callback(_raise_nonfinite, None, state.count, mine), lambda: None)
-    updates = jax.tree.map(lambda u: jnp.where(bad, jnp.zeros((), u.dtype), u), updates)
-    new_state = jax.tree.map(lambda old, new: jnp.where(bad, old, new), state, new_state)
-    skipped = state.skipped + bad.astype(state.skipped.dtype)
-    if isinstance(state, OneBitAdamState):
-        return updates, new_state._replace(skipped=skipped)
-    return updates, dataclasses.replace(new_state, skipped=skipped)
+
+    def on_skip(count):
+        if mode == "raise":
+            io_callback(_raise_nonfinite, None, count, mine)
+
+    return bad, on_skip
 
 
 def onebit_adam(
@@ -506,15 +496,13 @@ def onebit_adam(
             )
         mask = _mask_leaves(exp_avg_mask, grads)
 
-        def step():
-            return zero_update(
-                backend=backend, layout=layout, stage=zero_stage, freeze_step=freeze_step, b1=b1, b2=b2, eps=eps,
-                weight_decay=weight_decay, decays=decays, mask_bufs=flat_mask(mask, layout),
-                bias_correction=bias_correction, learning_rate=learning_rate, error_feedback=error_feedback,
-                grads=grads, state=state, params=params,
-            )
-
-        return _guard_nonfinite(backend, nonfinite, grads, state.mu, state, step)
+        bad, on_skip = _nonfinite_flag(backend, grads, state.mu, nonfinite)
+        return zero_update(
+            backend=backend, layout=layout, stage=zero_stage, freeze_step=freeze_step, b1=b1, b2=b2, eps=eps,
+            weight_decay=weight_decay, decays=decays, mask_bufs=flat_mask(mask, layout),
+            bias_correction=bias_correction, learning_rate=learning_rate, error_feedback=error_feedback,
+            grads=grads, state=state, params=params, skip=bad, on_skip=on_skip,
+        )
 
     def init_fn(params):
         _check_params(params)
@@ -595,25 +583,33 @@ def onebit_adam(
                                         for m, k in zip(leaves, mask, strict=True)])
             return mu, state.nu, we, se
 
+        count = state.count
+        bad, on_skip = _nonfinite_flag(backend, grads, state.mu, nonfinite)
+
+        def skip(_):  # some rank's gradient is not finite: every rank keeps its state
+            on_skip(count)
+            return state.mu, state.nu, worker_error, server_error
+
+        # Branch order as lax.cond(warmup?, warmup, compression) had it, the skip branch last.
+        index = jnp.where(bad, 2, jnp.where(count < freeze_step, 1, 0))
+        mu, nu, worker_error, server_error = lax.switch(index, (compression, warmup, skip), None)
+        c1, c2, lr = step_scalars(count, b1=b1, b2=b2, freeze_step=freeze_step, bias_correction=bias_correction,
+                                  learning_rate=learning_rate)
+
+        def direction(m, v, p):
+            u = (m / c1) / (jnp.sqrt(v / c2) + eps)
+            if decays:
+                u = u + weight_decay * p.astype(jnp.float32)
+            return u
+
         ps = params if params is not None else grads
-
-        def step():
-            count = state.count
-            mu, nu, we, se = lax.cond(count < freeze_step, warmup, compression, None)
-            c1, c2, lr = step_scalars(count, b1=b1, b2=b2, freeze_step=freeze_step,
-                                      bias_correction=bias_correction, learning_rate=learning_rate)
-
-            def direction(m, v, p):
-                u = (m / c1) / (jnp.sqrt(v / c2) + eps)
-                if decays:
-                    u = u + weight_decay * p.astype(jnp.float32)
-                return (-lr * u).astype(p.dtype)
-
-            updates = jax.tree.map(direction, mu, nu, ps)
-            return updates, state._replace(count=optax.safe_int32_increment(count), mu=mu, nu=nu,
-                                           worker_error=we, server_error=se)
-
-        return _guard_nonfinite(backend, nonfinite, grads, state.mu, state, step)
+        updates = jax.tree.map(
+            lambda m, v, p: jnp.where(bad, 0.0, -lr * direction(m, v, p)).astype(p.dtype), mu, nu, ps)
+        new_state = OneBitAdamState(
+            count=jnp.where(bad, count, optax.safe_int32_increment(count)), mu=mu, nu=nu,
+            worker_error=worker_error, server_error=server_error, skipped=state.skipped + bad.astype(jnp.int32),
+        )
+        return updates, new_state
 
     if zero_stage:
         def checked_zero_init(params):

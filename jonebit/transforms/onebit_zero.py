@@ -198,12 +198,14 @@ def step_scalars(count, *, b1, b2, freeze_step: int, bias_correction: bool, lear
 def zero_update(
     *, backend, layout: FlatLayout, stage: int, freeze_step: int, b1, b2, eps, weight_decay, decays: bool,
     mask_bufs, bias_correction: bool, learning_rate, error_feedback: bool, grads, state: OneBitAdamZeroState,
-    params,
+    params, skip=None, on_skip=None,
 ):
     """One 1-bit Adam update with ZeRO partitioning (per-device view, inside shard_map over the data axis).
 
     ``grads``: this rank's local gradient tree. ``params``: the full tree (stages 1, 2) or this rank's ``(1, C_g)``
-    chunks (stage 3). Returns ``(updates, new_state)``, updates shaped like ``params``.
+    chunks (stage 3). Returns ``(updates, new_state)``, updates shaped like ``params``. ``skip``: an optional
+    boolean scalar, the same on all ranks; when True the update is zero and the state unchanged but for
+    ``skipped + 1``, and ``on_skip(count)`` is called in that branch.
     """
     axis = backend.axis_name
     p = backend.size
@@ -302,14 +304,24 @@ def zero_update(
 
         return branch
 
+    def skipped(_):
+        if on_skip is not None:
+            on_skip(count)
+        zeros = tuple(jnp.zeros(layout.chunk(g), jnp.float32) for g in range(ngroups))
+        full = tuple(jnp.zeros(layout.padded(g), jnp.float32) for g in range(ngroups))
+        return finish(zeros, full), (mu, nu, nu_full, m_rows, we, se)
+
     index = jnp.where(count < freeze_step, 0, jnp.where(count == freeze_step, 1, 2))
+    skip = jnp.zeros((), bool) if skip is None else skip
+    index = jnp.where(skip, 3, index)  # the skip branch comes last: the others keep their indices
     updates, (mu, nu, nu_full, m_rows, we, se) = lax.switch(
-        index, (warmup, compression(True), compression(False)), None)
+        index, (warmup, compression(True), compression(False), skipped), None)
     if stage == 3:
         updates = tuple(u.astype(c.dtype) for u, c in zip(updates, params, strict=True))
     new_state = OneBitAdamZeroState(
-        count=optax.safe_int32_increment(count), mu=mu, nu=nu, nu_full=nu_full, m_rows=m_rows,
-        worker_error=we, server_error=se, skipped=state.skipped, stage=stage,
+        count=jnp.where(skip, count, optax.safe_int32_increment(count)), mu=mu, nu=nu, nu_full=nu_full,
+        m_rows=m_rows, worker_error=we, server_error=se, skipped=state.skipped + skip.astype(jnp.int32),
+        stage=stage,
     )
     return updates, new_state
 

@@ -51,7 +51,8 @@ def test_onebit_adam_stage_bytes_match_the_spec_formula():
     # Always: the 4-byte all-reduce of the non-finite flag; nothing else outside the two branches.
     assert [(c.op, c.result_bytes) for c in report.always] == [("all-reduce", 4)]
     flag = 2 * 7 / 8 * 4
-    compression, warmup = report.branches[0]
+    compression, warmup, skip = report.branches[0]
+    assert skip == ()  # a step skipped for a non-finite gradient sends nothing more
     assert sorted(c.op for c in compression) == ["all-gather", "all-to-all"]  # no full-precision all-reduce
     assert all(c.op == "all-reduce" for c in warmup)
     assert report.branch_bytes(0) == compressed_bytes_per_rank(n, 8) + flag
