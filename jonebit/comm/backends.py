@@ -29,6 +29,9 @@ class Backend(Protocol):
     def mean(self, tree: Any) -> Any:
         """Element-wise mean over ranks of every leaf, same on all ranks."""
 
+    def max(self, x: jax.Array) -> jax.Array:
+        """Element-wise maximum over ranks of a small int32 array (flags), same on all ranks."""
+
 
 def varying_axes(x) -> frozenset:
     """Mesh axes over which ``x`` is typed as varying inside ``shard_map`` (empty outside / check_vma=False)."""
@@ -71,6 +74,9 @@ class AxisBackend:
 
     def mean(self, tree):
         return jax.tree.map(lambda g: lax.pmean(g, self.axis_name), tree)
+
+    def max(self, x):
+        return lax.pmax(x, self.axis_name)
 
 
 # dtypes mpi4jax can reduce; others (float16, bfloat16, ...) are moved as raw bits or summed in float32.
@@ -157,6 +163,14 @@ class MPIBackend:
                 out[i] = total[offset : offset + leaf.size].reshape(leaf.shape)
                 offset += leaf.size
         return jax.tree.unflatten(treedef, out)
+
+    def max(self, x):
+        import mpi4jax
+        from mpi4py import MPI
+
+        if self.size == 1:
+            return x
+        return mpi4jax.allreduce(jnp.asarray(x, jnp.int32), op=MPI.MAX, comm=self.comm)
 
     def _allreduce_sum(self, flat):
         import mpi4jax

@@ -18,6 +18,12 @@ Two stages, switched inside one compiled step by ``lax.cond`` on the update coun
 In both stages the update is ``-lr (m / (sqrt(v) + eps) + weight_decay p)`` (decoupled weight decay).
 Like DeepSpeed there is no bias correction unless ``bias_correction=True``.
 
+A NaN or inf in one rank's gradient would reach every rank through the mean (warmup) or the compressed
+allreduce's scales (compression) and stay in the momentum and error buffers for good. So each update first
+all-reduces one flag, and when any rank's gradient is not finite every rank skips the update together
+(``nonfinite="skip"``: zero updates, state unchanged, ``state.skipped`` counts it) or also raises
+(``nonfinite="raise"``).
+
 ``init`` and ``update`` run in the per-device view: inside ``jax.shard_map`` over ``axis_name`` (the
 usual way), or in each MPI process when ``mpi_comm`` is given. :func:`state_specs` returns the
 ``PartitionSpec`` tree that carries the state in and out of ``shard_map``: ``m``, ``v`` and the count
@@ -31,6 +37,7 @@ References:
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -39,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.experimental import io_callback
 from jax.sharding import PartitionSpec as P
 
 from jonebit.comm.backends import AxisBackend, Backend, as_varying, get_backend, varying_axes
@@ -76,6 +84,7 @@ class OneBitAdamState(NamedTuple):
       worker_error: this rank's worker error with a leading axis of 1 (global view: one row per rank).
         ``fused=True``: one array ``(1, padded_size(N, P))``; ``fused=False``: a tree like the params.
       server_error: this rank's server error, ``(1, padded_size(n, P) // P)``, same layout as ``worker_error``.
+      skipped: updates skipped because some rank's gradient was not finite (int32, replicated; not in ``count``).
     """
 
     count: jax.Array
@@ -83,10 +92,41 @@ class OneBitAdamState(NamedTuple):
     nu: optax.Updates
     worker_error: Any
     server_error: Any
+    skipped: jax.Array
+
+
+NONFINITE_MODES = ("skip", "raise")
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, int | float | np.number)
+    return isinstance(x, int | float | np.number) and not isinstance(x, bool | np.bool_)
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, jax.Array | np.ndarray)
+
+
+def _check_scalar(name: str, value, *, low: float, high: float = np.inf, open_low: bool = False,
+                  open_high: bool = False, schedule: bool = False) -> None:
+    """A hyperparameter: a finite number in range, an array (e.g. from ``optax.inject_hyperparams``, not checked),
+    or, where ``schedule``, a function of the update count."""
+    if _is_number(value):
+        if not np.isfinite(value):
+            raise ValueError(f"onebit_adam: {name} must be a finite number, got {value}")
+        if (value <= low if open_low else value < low) or (value >= high if open_high else value > high):
+            bounds = [f"{'>' if open_low else '>='} {low:g}"] + ([f"{'<' if open_high else '<='} {high:g}"]
+                                                                  if np.isfinite(high) else [])
+            raise ValueError(f"onebit_adam: {name} must be {' and '.join(bounds)}, got {value}")
+        return
+    if _is_array(value) or (schedule and callable(value)):
+        return
+    kinds = "a number or a schedule (a function of the update count)" if schedule else "a number"
+    raise TypeError(f"onebit_adam: {name} must be {kinds}, got {type(value).__name__} {value!r}")
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"onebit_adam: {name} must be True or False, got {type(value).__name__} {value!r}")
 
 
 def _check_float_leaves(tree, what: str) -> None:
@@ -99,23 +139,103 @@ def _check_float_leaves(tree, what: str) -> None:
             )
 
 
-def _check_mask(mask, params) -> None:
-    m_struct, p_struct = jax.tree.structure(mask), jax.tree.structure(params)
-    if m_struct != p_struct:
-        raise ValueError(
-            f"onebit_adam: exp_avg_mask must have the same tree structure as the params.\n"
-            f"  mask:   {m_struct}\n  params: {p_struct}"
-        )
-    for path, m, p in zip(
-        (jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)),
-        jax.tree.leaves(mask),
-        jax.tree.leaves(params),
-        strict=True,
-    ):
-        if tuple(np.shape(m)) != tuple(p.shape):
+def _check_nonempty_leaves(params) -> None:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if math.prod(leaf.shape) == 0:
             raise ValueError(
-                f"onebit_adam: exp_avg_mask leaf {path} has shape {tuple(np.shape(m))}, the param has {tuple(p.shape)}"
+                f"onebit_adam: param leaf {jax.tree_util.keystr(path)} has shape {tuple(leaf.shape)}, i.e. no "
+                "elements; there is nothing to optimise in it: leave it out of the optimised tree (e.g. with "
+                "optax.masked or by filtering the params)"
             )
+
+
+def _first_mismatch(a, b) -> str | None:
+    """Describes the first leaf path at which trees ``a`` and ``b`` differ in presence or shape, or None."""
+    la = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(a)}
+    lb = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(b)}
+    for path in dict.fromkeys([*la, *lb]):
+        if path not in lb:
+            return f"{path} is only in the gradients"
+        if path not in la:
+            return f"{path} is missing from the gradients"
+        if tuple(np.shape(la[path])) != tuple(np.shape(lb[path])):
+            return f"{path} has shape {tuple(np.shape(la[path]))} in the gradients, {tuple(np.shape(lb[path]))} here"
+    if jax.tree.structure(a) != jax.tree.structure(b):
+        return f"the tree types differ:\n  gradients: {jax.tree.structure(a)}\n  other:     {jax.tree.structure(b)}"
+    return None
+
+
+def _check_matching_grads(grads, other, what: str) -> None:
+    problem = _first_mismatch(grads, other)
+    if problem is not None:
+        raise ValueError(f"onebit_adam: the gradients do not match the {what}: {problem}")
+
+
+class _Ones:
+    """An all-ones mask leaf, kept only as its shape (the step needs no multiply for it)."""
+
+    def __init__(self, shape):
+        self.shape = shape
+
+
+def _normalise_mask(mask):
+    """Validates exp_avg_mask's values once: leaves become float32 numpy arrays of 0/1, or :class:`_Ones`."""
+    if mask is None:
+        return None
+
+    def leaf(path, m):
+        try:
+            k = np.asarray(m)
+        except Exception as e:  # noqa: BLE001 - anything that is not array-like
+            raise TypeError(
+                f"onebit_adam: exp_avg_mask leaf {jax.tree_util.keystr(path)} must be an array of 0/1 values or "
+                f"None, got {type(m).__name__}"
+            ) from e
+        if not (k.dtype == np.bool_ or np.issubdtype(k.dtype, np.number)):
+            raise TypeError(
+                f"onebit_adam: exp_avg_mask leaf {jax.tree_util.keystr(path)} must hold 0/1 values, got dtype {k.dtype}"
+            )
+        k = k.astype(np.float32)
+        bad = k[(k != 0) & (k != 1)]
+        if bad.size:
+            raise ValueError(
+                f"onebit_adam: exp_avg_mask leaf {jax.tree_util.keystr(path)} must hold only 0 and 1 (it multiplies "
+                f"the momentum), got {bad.flat[0]} among its values; use bool or 0/1 arrays"
+            )
+        return _Ones(k.shape) if np.all(k == 1) else k
+
+    return jax.tree_util.tree_map_with_path(leaf, mask)
+
+
+def _mask_leaves(mask, params) -> list | None:
+    """One entry per param leaf: None (all ones) or the mask array, whose rank is the param's and whose dimensions
+    are the param's or 1. Raises naming the leaf when the mask does not fit the params."""
+    if mask is None:
+        return None
+    p_def = jax.tree.structure(params)
+    try:
+        leaves = p_def.flatten_up_to(mask)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"onebit_adam: exp_avg_mask must have the same tree structure as the params (a leaf may be None "
+            f"for 'no mask').\n  mask:   {jax.tree.structure(mask)}\n  params: {p_def}"
+        ) from e
+    out = []
+    for (path, p), m in zip(jax.tree_util.tree_leaves_with_path(params), leaves, strict=True):
+        if m is not None and jax.tree.leaves(m) != [m]:
+            raise ValueError(
+                f"onebit_adam: exp_avg_mask must have the same tree structure as the params; at leaf "
+                f"{jax.tree_util.keystr(path)} it holds a {type(m).__name__} subtree"
+            )
+        shape, want = tuple(getattr(m, "shape", ())), tuple(p.shape)
+        fits = len(shape) == len(want) and all(s in (1, w) for s, w in zip(shape, want, strict=True))
+        if m is not None and not fits:
+            raise ValueError(
+                f"onebit_adam: exp_avg_mask leaf {jax.tree_util.keystr(path)} has shape {shape}, the param has "
+                f"{want}; give the param's shape, or its rank with 1 where the mask broadcasts (e.g. rows: (n, 1))"
+            )
+        out.append(None if isinstance(m, _Ones) else m)
+    return None if all(m is None for m in out) else out
 
 
 def _flatten(tree) -> jax.Array:
@@ -135,17 +255,44 @@ def _error_buffers(sizes, world_size: int):
     return jax.tree.map(worker, sizes), jax.tree.map(server, sizes)
 
 
+_warned: set = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message)
+
+
+def _read_check_vma() -> bool:
+    """Whether the enclosing ``shard_map`` type-checks varying axes (``check_vma=True``); public jax config."""
+    return bool(jax.config.check_vma)
+
+
+def _vma_checked(axis_name: str) -> bool:
+    """Whether VMA types are tracked here, so already-reduced gradients can be told from local ones.
+
+    Falls back to False (the check is off) with a warning logged once when this jax cannot say.
+    """
+    try:
+        checked = _read_check_vma()
+    except AttributeError:
+        _warn_once("config", "onebit_adam: this jax has no jax.config.check_vma; the check that refuses "
+                   "already all-reduced gradients is off (make sure you cast params with jax.lax.pcast(..., "
+                   "to='varying') before jax.grad inside shard_map)")
+        return False
+    if checked and axis_name not in varying_axes(lax.axis_index(axis_name)):
+        # The rank index always varies over its axis: if it does not look so, varying_axes cannot read this
+        # jax's types, and checking would refuse every gradient.
+        _warn_once("types", "onebit_adam: cannot read varying mesh axes from jax.typeof(x) in this jax; the "
+                   "check that refuses already all-reduced gradients is off")
+        return False
+    return checked
+
+
 def _check_local_grads(grads, backend: Backend) -> None:
     """Refuses gradients that are typed as identical on all ranks (already all-reduced)."""
-    if not isinstance(backend, AxisBackend):
-        return
-    try:
-        from jax._src import config as jax_config
-
-        vma_checked = bool(jax_config._check_vma.value)
-    except (ImportError, AttributeError):  # pragma: no cover - older/newer jax internals
-        return
-    if not vma_checked:
+    if not isinstance(backend, AxisBackend) or not _vma_checked(backend.axis_name):
         return
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
         if backend.axis_name not in varying_axes(g):
@@ -155,6 +302,36 @@ def _check_local_grads(grads, backend: Backend) -> None:
                 f"inside shard_map, cast replicated params with jax.lax.pcast(params, {backend.axis_name!r}, "
                 "to='varying') before jax.grad (otherwise autodiff inserts a full-precision psum)."
             )
+
+
+def _local_nonfinite(grads, momentum) -> jax.Array:
+    """True if this rank's gradient has a NaN/inf (or an element whose square, which enters the variance,
+    overflows) or the momentum it holds is not finite."""
+    checks = [jnp.all(jnp.isfinite(jnp.square(g.astype(jnp.float32)))) for g in jax.tree.leaves(grads)]
+    checks += [jnp.all(jnp.isfinite(m)) for m in jax.tree.leaves(momentum)]
+    return ~jnp.all(jnp.stack(checks))
+
+
+def _raise_nonfinite(count, mine) -> None:
+    raise FloatingPointError(
+        f"onebit_adam: non-finite gradient or momentum at update {int(count)} "
+        f"({'on this rank' if mine else 'on another rank'}); the update was skipped on all ranks and the optimizer "
+        "state left as it was. Look for the cause (learning rate, loss scale, a bad batch), or pass "
+        "nonfinite='skip' to skip such steps and carry on (the state's `skipped` counts them)."
+    )
+
+
+def _nonfinite_flag(backend, grads, momentum, mode: str):
+    """``(bad, on_skip)``: ``bad`` is True on every rank when any rank's gradient or momentum is not finite (one
+    all-reduced int32); ``on_skip()``, called in the step's skip branch, raises on the host when ``mode='raise'``."""
+    mine = _local_nonfinite(grads, momentum)
+    bad = backend.max(mine.astype(jnp.int32)) > 0
+
+    def on_skip(count):
+        if mode == "raise":
+            io_callback(_raise_nonfinite, None, count, mine)
+
+    return bad, on_skip
 
 
 def onebit_adam(
@@ -173,6 +350,7 @@ def onebit_adam(
     error_feedback: bool = True,
     amsgrad: bool = False,
     zero_stage: int | None = None,
+    nonfinite: str = "skip",
 ) -> optax.GradientTransformation:
     r"""1-bit Adam (Tang et al., 2021) with DeepSpeed's semantics.
 
@@ -197,8 +375,10 @@ def onebit_adam(
       b2: variance decay.
       eps: added to ``sqrt(v)`` (outside the square root).
       weight_decay: decoupled weight decay (AdamW form); needs ``params`` in ``update``.
-      exp_avg_mask: optional pytree of 0/1 arrays like the params; the momentum is multiplied by it after
-        each compressed allreduce (e.g. to keep BERT's unused position embeddings at exactly zero).
+      exp_avg_mask: optional pytree like the params; the momentum is multiplied by it after each compressed
+        allreduce (e.g. to keep BERT's unused position embeddings at exactly zero). A leaf is None (no mask) or
+        a bool or 0/1 array with the param's rank whose dimensions are the param's or 1 (``(rows, 1)`` masks
+        rows), so the mask need not be as large as the params.
       bias_correction: apply Adam's bias correction (DeepSpeed ignores its flag: default off). After
         freeze_step the variance correction stays at its freeze_step value.
       fused: ``True`` compresses all leaves as one flat buffer (one collective and one worker scale per step,
@@ -212,6 +392,12 @@ def onebit_adam(
         ``3``: also the parameters, as the server chunks of the flattened tree (``update`` then takes and returns
         this rank's chunks). See :mod:`jonebit.transforms.onebit_zero`; build the step with
         :func:`jonebit.train.zero.make_zero_step`.
+      nonfinite: what an update does when any rank's gradient (or the momentum) holds a NaN or inf, or a value
+        whose square overflows float32: ``"skip"`` (default) skips it on all ranks together (zero updates, the
+        state untouched but for ``state.skipped + 1``; one all-reduced flag per step decides); ``"raise"`` skips
+        it as well and raises ``FloatingPointError`` from the host, so the step call fails (with donated
+        buffers the state passed in is gone: restore a checkpoint). Without it one bad element would spread to
+        every parameter, moment and error buffer on every rank.
 
     Returns:
       An ``optax.GradientTransformation`` whose ``update(local_grads, state, params)`` expects this rank's
@@ -228,6 +414,7 @@ def onebit_adam(
           updates, opt_state = tx.update(grads, opt_state, params)
           return optax.apply_updates(params, updates), opt_state
     """
+    _check_bool("amsgrad", amsgrad)
     if amsgrad:
         raise ValueError("onebit_adam: amsgrad is not supported by 1-bit Adam (the variance is frozen after warmup)")
     if isinstance(freeze_step, bool) or not isinstance(freeze_step, int | np.integer):
@@ -239,12 +426,19 @@ def onebit_adam(
             "onebit_adam: freeze_step=0 would freeze a variance that was never estimated (v = 0, so every update "
             "is m / eps); use at least a few hundred warmup steps (DeepSpeed recommends 15-25% of training)"
         )
-    # Values may be arrays under optax.inject_hyperparams; only plain numbers are checked here.
-    for name, value in (("b1", b1), ("b2", b2)):
-        if _is_number(value) and not 0.0 <= value < 1.0:
-            raise ValueError(f"onebit_adam: {name} must be in [0, 1), got {value}")
-    if _is_number(eps) and eps <= 0:
-        raise ValueError(f"onebit_adam: eps must be > 0, got {eps}")
+    # Values may be arrays under optax.inject_hyperparams; only plain numbers are range-checked here.
+    _check_scalar("learning_rate", learning_rate, low=0.0, schedule=True)
+    _check_scalar("b1", b1, low=0.0, high=1.0, open_high=True)
+    _check_scalar("b2", b2, low=0.0, high=1.0, open_high=True)
+    _check_scalar("eps", eps, low=0.0, open_low=True)
+    _check_scalar("weight_decay", weight_decay, low=0.0)
+    for name, value in (("bias_correction", bias_correction), ("fused", fused), ("error_feedback", error_feedback)):
+        _check_bool(name, value)
+    if nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"onebit_adam: nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
+    if axis_name is not None and not isinstance(axis_name, str):
+        raise TypeError(f"onebit_adam: axis_name must be a mesh axis name (str), got {axis_name!r}")
+    exp_avg_mask = _normalise_mask(exp_avg_mask)
     decays = not (_is_number(weight_decay) and weight_decay == 0)
     if mpi_comm is not None:
         axis_name = None
@@ -261,6 +455,11 @@ def onebit_adam(
     zero_stage = int(zero_stage)
     if zero_stage and mpi_comm is not None:
         raise ValueError("onebit_adam: zero_stage >= 1 runs over a shard_map axis; it is not available with mpi_comm")
+
+    def _check_params(params):
+        _check_float_leaves(params, "param")
+        _check_nonempty_leaves(params)
+        _mask_leaves(exp_avg_mask, params)
 
     def zero_backend():
         backend = get_backend(axis_name, mpi_comm)
@@ -285,17 +484,28 @@ def onebit_adam(
         backend = zero_backend()
         _check_local_grads(grads, backend)
         layout = FlatLayout.of(grads if zero_stage == 3 else params, backend.size, fused)
+        if zero_stage != 3:
+            _check_matching_grads(grads, params, "params")
+        # The state's chunks follow the layout of the tree given to init: a different gradient tree shows here.
+        want = tuple((1, layout.chunk(g)) for g in range(len(layout.groups)))
+        have = tuple(tuple(m.shape) for m in state.mu)
+        if want != have:
+            raise ValueError(
+                f"onebit_adam: the gradients do not match the params the optimizer state was made for: their "
+                f"flat buffers have chunks {want}, the state {have} (same tree, shapes and fused={fused} as in init)"
+            )
+        mask = _mask_leaves(exp_avg_mask, grads)
+
+        bad, on_skip = _nonfinite_flag(backend, grads, state.mu, nonfinite)
         return zero_update(
             backend=backend, layout=layout, stage=zero_stage, freeze_step=freeze_step, b1=b1, b2=b2, eps=eps,
-            weight_decay=weight_decay, decays=decays, mask_bufs=flat_mask(exp_avg_mask, layout),
+            weight_decay=weight_decay, decays=decays, mask_bufs=flat_mask(mask, layout),
             bias_correction=bias_correction, learning_rate=learning_rate, error_feedback=error_feedback,
-            grads=grads, state=state, params=params,
+            grads=grads, state=state, params=params, skip=bad, on_skip=on_skip,
         )
 
     def init_fn(params):
-        _check_float_leaves(params, "param")
-        if exp_avg_mask is not None:
-            _check_mask(exp_avg_mask, params)
+        _check_params(params)
         backend = get_backend(axis_name, mpi_comm)
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         if fused:
@@ -304,11 +514,11 @@ def onebit_adam(
                 raise ValueError("onebit_adam: the params have no elements")
             worker, server = _error_buffers(n, backend.size)
         else:
-            sizes = jax.tree.map(lambda p: max(int(np.prod(p.shape)), 1), params)
+            sizes = jax.tree.map(lambda p: int(np.prod(p.shape)), params)
             worker, server = _error_buffers(sizes, backend.size)
         return OneBitAdamState(
             count=jnp.zeros([], jnp.int32), mu=zeros, nu=jax.tree.map(jnp.copy, zeros),
-            worker_error=worker, server_error=server,
+            worker_error=worker, server_error=server, skipped=jnp.zeros([], jnp.int32),
         )
 
     def compress(backend, m_local, worker_error, server_error):
@@ -341,8 +551,12 @@ def onebit_adam(
         if decays and params is None:
             raise ValueError("onebit_adam: weight_decay needs params; call update(grads, state, params)")
         _check_float_leaves(grads, "gradient")
+        _check_matching_grads(grads, state.mu, "optimizer state (the params given to init)")
+        if params is not None:
+            _check_matching_grads(grads, params, "params")
         backend = get_backend(axis_name, mpi_comm)
         _check_local_grads(grads, backend)
+        mask = _mask_leaves(exp_avg_mask, grads)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         worker_error, server_error = state.worker_error, state.server_error
         if isinstance(backend, AxisBackend):
@@ -363,13 +577,22 @@ def onebit_adam(
                 mu, we, se = compress(backend, mu, we, se)
             else:  # one rank has nothing to compress (DeepSpeed skips it too); the mean only fixes the type
                 mu = backend.mean(mu)
-            if exp_avg_mask is not None:
-                mu = jax.tree.map(lambda m, k: m * jnp.asarray(k, jnp.float32), mu, exp_avg_mask)
+            if mask is not None:
+                leaves, treedef = jax.tree.flatten(mu)
+                mu = treedef.unflatten([m if k is None else m * jnp.asarray(k, jnp.float32)
+                                        for m, k in zip(leaves, mask, strict=True)])
             return mu, state.nu, we, se
 
         count = state.count
-        mu, nu, worker_error, server_error = lax.cond(count < freeze_step, warmup, compression, None)
+        bad, on_skip = _nonfinite_flag(backend, grads, state.mu, nonfinite)
 
+        def skip(_):  # some rank's gradient is not finite: every rank keeps its state
+            on_skip(count)
+            return state.mu, state.nu, worker_error, server_error
+
+        # Branch order as lax.cond(warmup?, warmup, compression) had it, the skip branch last.
+        index = jnp.where(bad, 2, jnp.where(count < freeze_step, 1, 0))
+        mu, nu, worker_error, server_error = lax.switch(index, (compression, warmup, skip), None)
         c1, c2, lr = step_scalars(count, b1=b1, b2=b2, freeze_step=freeze_step, bias_correction=bias_correction,
                                   learning_rate=learning_rate)
 
@@ -381,20 +604,16 @@ def onebit_adam(
 
         ps = params if params is not None else grads
         updates = jax.tree.map(
-            lambda m, v, p, g: (-lr * direction(m, v, p)).astype(p.dtype if params is not None else g.dtype),
-            mu, nu, ps, grads,
-        )
+            lambda m, v, p: jnp.where(bad, 0.0, -lr * direction(m, v, p)).astype(p.dtype), mu, nu, ps)
         new_state = OneBitAdamState(
-            count=optax.safe_int32_increment(count), mu=mu, nu=nu,
-            worker_error=worker_error, server_error=server_error,
+            count=jnp.where(bad, count, optax.safe_int32_increment(count)), mu=mu, nu=nu,
+            worker_error=worker_error, server_error=server_error, skipped=state.skipped + bad.astype(jnp.int32),
         )
         return updates, new_state
 
     if zero_stage:
         def checked_zero_init(params):
-            _check_float_leaves(params, "param")
-            if exp_avg_mask is not None:
-                _check_mask(exp_avg_mask, params)
+            _check_params(params)
             return zero_init(params)
 
         return optax.GradientTransformation(checked_zero_init, zero_update_fn)
@@ -426,11 +645,20 @@ def state_specs(opt_state, axis_name: str = "data"):
             rep = lambda t: jax.tree.map(lambda _: P(), t)  # noqa: E731
             return OneBitAdamState(
                 count=P(), mu=rep(node.mu), nu=rep(node.nu),
-                worker_error=rows(node.worker_error), server_error=rows(node.server_error),
+                worker_error=rows(node.worker_error), server_error=rows(node.server_error), skipped=P(),
+            )
+        if not hasattr(node, "shape") or isinstance(node, P):
+            raise TypeError(
+                f"state_specs: expected an optimizer state (arrays or jax.ShapeDtypeStruct leaves, e.g. from "
+                f"tx.init(params) or jax.eval_shape of it), found a leaf of type {type(node).__name__}: {node!r:.80}"
             )
         return P()
 
-    return jax.tree.map(spec, opt_state, is_leaf=is_onebit_state)
+    if not isinstance(axis_name, str):
+        raise TypeError(f"state_specs: axis_name must be a mesh axis name (str), got {axis_name!r}")
+    if isinstance(opt_state, optax.GradientTransformation):
+        raise TypeError("state_specs: got an optax.GradientTransformation; pass its state (tx.init(params)) instead")
+    return jax.tree.map(spec, opt_state, is_leaf=lambda x: is_onebit_state(x) or isinstance(x, P))
 
 
 def sharded_init(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh, axis_name: str = "data"):

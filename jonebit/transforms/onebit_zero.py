@@ -42,7 +42,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -143,6 +142,7 @@ class OneBitAdamZeroState:
         (replicated; valid from the first compression step on).
       worker_error: ``(1, N_g)`` float32, this rank's worker error.
       server_error: ``(1, C_g)`` float32, this rank's server error.
+      skipped: updates skipped because some rank's gradient was not finite (int32, replicated; not in ``count``).
       stage: the ZeRO stage (static).
     """
 
@@ -153,6 +153,7 @@ class OneBitAdamZeroState:
     m_rows: tuple
     worker_error: tuple
     server_error: tuple
+    skipped: jax.Array
     stage: int = dataclasses.field(default=1, metadata=dict(static=True))
 
 
@@ -161,7 +162,7 @@ def zero_state_specs(state: OneBitAdamZeroState, axis_name: str) -> OneBitAdamZe
     rep = lambda t: tuple(P() for _ in t)  # noqa: E731
     return OneBitAdamZeroState(
         count=P(), mu=rows(state.mu), nu=rows(state.nu), nu_full=rep(state.nu_full), m_rows=rep(state.m_rows),
-        worker_error=rows(state.worker_error), server_error=rows(state.server_error), stage=state.stage,
+        worker_error=rows(state.worker_error), server_error=rows(state.server_error), skipped=P(), stage=state.stage,
     )
 
 
@@ -177,6 +178,7 @@ def init_zero_state(layout: FlatLayout, stage: int) -> OneBitAdamZeroState:
         m_rows=tuple(jnp.zeros((p, layout.chunk(g) // 8 + _SCALE_BYTES), jnp.uint8) for g in range(n)),
         worker_error=tuple(z(1, layout.padded(g)) for g in range(n)),
         server_error=tuple(z(1, layout.chunk(g)) for g in range(n)),
+        skipped=jnp.zeros([], jnp.int32),
         stage=stage,
     )
 
@@ -197,12 +199,14 @@ def step_scalars(count, *, b1, b2, freeze_step: int, bias_correction: bool, lear
 def zero_update(
     *, backend, layout: FlatLayout, stage: int, freeze_step: int, b1, b2, eps, weight_decay, decays: bool,
     mask_bufs, bias_correction: bool, learning_rate, error_feedback: bool, grads, state: OneBitAdamZeroState,
-    params,
+    params, skip=None, on_skip=None,
 ):
     """One 1-bit Adam update with ZeRO partitioning (per-device view, inside shard_map over the data axis).
 
     ``grads``: this rank's local gradient tree. ``params``: the full tree (stages 1, 2) or this rank's ``(1, C_g)``
-    chunks (stage 3). Returns ``(updates, new_state)``, updates shaped like ``params``.
+    chunks (stage 3). Returns ``(updates, new_state)``, updates shaped like ``params``. ``skip``: an optional
+    boolean scalar, the same on all ranks; when True the update is zero and the state unchanged but for
+    ``skipped + 1``, and ``on_skip(count)`` is called in that branch.
     """
     axis = backend.axis_name
     p = backend.size
@@ -230,8 +234,12 @@ def zero_update(
     def chunk_of(x, g):
         return lax.dynamic_slice_in_dim(x, r * layout.chunk(g), layout.chunk(g))
 
-    def mask_chunk(g):
-        return None if mask_bufs is None else chunk_of(jnp.asarray(mask_bufs[g]), g)
+    def masked(x, g, chunk=False):
+        """``x`` times the mask of buffer ``g`` (whole, cut to ``x``'s length, or this rank's chunk)."""
+        if mask_bufs is None or mask_bufs[g] is None:
+            return x
+        k = mask_bufs[g]()
+        return x * (chunk_of(k, g) if chunk else k[:x.shape[0]])
 
     def finish(u_chunks, u_full):
         """Updates shaped like params: chunks (stage 3) or a tree (stages 1, 2)."""
@@ -272,9 +280,7 @@ def zero_update(
                 if first:  # the momentum is still float32 chunks: gather it once
                     m_prev = lax.all_gather(mu[g][0], axis, tiled=True)[:n]
                 else:
-                    m_prev = decode_rows(m_rows[g], n)
-                    if mask_bufs is not None:
-                        m_prev = m_prev * jnp.asarray(mask_bufs[g])[:n]
+                    m_prev = masked(decode_rows(m_rows[g], n), g)
                 xs.append(b1 * m_prev + (1.0 - b1) * g_flat[g][:n])
             # One compressed allreduce per buffer, all sharing one all-to-all and one all-gather.
             new_rows, new_we, new_se = compressed_allreduce_rows_many(
@@ -283,18 +289,14 @@ def zero_update(
                 new_we, new_se = [jnp.zeros_like(e) for e in new_we], [jnp.zeros_like(e) for e in new_se]
             new_mu, new_nfull, u_chunks, u_full = [], [], [], []
             for g, rows in enumerate(new_rows):
-                m_own = decode_rows(lax.dynamic_index_in_dim(rows, r, keepdims=False))
-                if mask_bufs is not None:
-                    m_own = m_own * mask_chunk(g)
+                m_own = masked(decode_rows(lax.dynamic_index_in_dim(rows, r, keepdims=False)), g, chunk=True)
                 new_mu.append(m_own[None])
                 if stage == 3:
                     u_chunks.append(direction(m_own, nu[g][0], p_chunk[g]))
                 else:
                     v_full = lax.all_gather(nu[g][0], axis, tiled=True, to="invarying") if first else nu_full[g]
                     new_nfull.append(v_full)
-                    m_full = decode_rows(rows)
-                    if mask_bufs is not None:
-                        m_full = m_full * jnp.asarray(mask_bufs[g])
+                    m_full = masked(decode_rows(rows), g)
                     u_full.append(direction(m_full, v_full, p_flat[g]))
             new_we, new_se = tuple(e[None] for e in new_we), tuple(e[None] for e in new_se)
             nf = tuple(new_nfull) if stage != 3 else nu_full
@@ -303,25 +305,53 @@ def zero_update(
 
         return branch
 
+    def skipped(_):
+        if on_skip is not None:
+            on_skip(count)
+        zeros = tuple(jnp.zeros(layout.chunk(g), jnp.float32) for g in range(ngroups))
+        full = tuple(jnp.zeros(layout.padded(g), jnp.float32) for g in range(ngroups))
+        return finish(zeros, full), (mu, nu, nu_full, m_rows, we, se)
+
     index = jnp.where(count < freeze_step, 0, jnp.where(count == freeze_step, 1, 2))
+    skip = jnp.zeros((), bool) if skip is None else skip
+    index = jnp.where(skip, 3, index)  # the skip branch comes last: the others keep their indices
     updates, (mu, nu, nu_full, m_rows, we, se) = lax.switch(
-        index, (warmup, compression(True), compression(False)), None)
+        index, (warmup, compression(True), compression(False), skipped), None)
     if stage == 3:
         updates = tuple(u.astype(c.dtype) for u, c in zip(updates, params, strict=True))
     new_state = OneBitAdamZeroState(
-        count=optax.safe_int32_increment(count), mu=mu, nu=nu, nu_full=nu_full, m_rows=m_rows,
-        worker_error=we, server_error=se, stage=stage,
+        count=jnp.where(skip, count, optax.safe_int32_increment(count)), mu=mu, nu=nu, nu_full=nu_full,
+        m_rows=m_rows, worker_error=we, server_error=se, skipped=state.skipped + skip.astype(jnp.int32),
+        stage=stage,
     )
     return updates, new_state
 
 
-def flat_mask(exp_avg_mask, layout: FlatLayout):
-    """The 0/1 mask as padded flat numpy buffers (host constants), or None."""
-    if exp_avg_mask is None:
+def flat_mask(mask_leaves, layout: FlatLayout):
+    """The momentum mask of each flat buffer, or None when nothing is masked.
+
+    Args:
+      mask_leaves: one entry per param leaf: None (all ones) or a float32 numpy array of the leaf's rank whose
+        dimensions are the leaf's or 1 (e.g. a ``(rows, 1)`` row mask); or None for no mask at all.
+      layout: the flat layout of the params.
+
+    Returns:
+      None, or a tuple with, per buffer, None (nothing masked) or a function that builds the padded flat mask
+      inside the traced step. The function broadcasts the small per-leaf masks there, so the step captures only
+      them, not a float32 constant as large as the params.
+    """
+    if mask_leaves is None:
         return None
-    leaves = [np.asarray(m, np.float32) for m in jax.tree.leaves(exp_avg_mask)]
-    out = []
-    for g, idx in enumerate(layout.groups):
-        flat = np.concatenate([leaves[i].ravel() for i in idx])
-        out.append(np.pad(flat, (0, layout.padded(g) - flat.size)))
-    return tuple(out)
+
+    def builder(idx, padded):
+        def build():
+            parts = [jnp.ones(math.prod(layout.shapes[i]), jnp.float32) if mask_leaves[i] is None
+                     else jnp.broadcast_to(jnp.asarray(mask_leaves[i]), layout.shapes[i]).ravel() for i in idx]
+            flat = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+            return jnp.pad(flat, (0, padded - flat.shape[0]))
+
+        return build
+
+    out = tuple(None if all(mask_leaves[i] is None for i in idx) else builder(idx, layout.padded(g))
+                for g, idx in enumerate(layout.groups))
+    return None if all(b is None for b in out) else out

@@ -250,24 +250,29 @@ def position_embedding_mask(model_or_state: nnx.Module | nnx.State, seq_len: int
     Training at sequence length ``seq_len`` never touches the later rows, so their gradient is 0 and their momentum
     must not be moved by the compressed (sign) update of the others; the mask keeps it at 0.
 
+    Only the position embedding is masked, and only by row: its mask is a ``(max_position_embeddings, 1)`` column
+    and every other leaf is None (not masked), so the mask costs a few KB instead of a float32 copy of the params.
+
     Args:
       model_or_state: a BERT model, or its ``nnx.state(model, nnx.Param)`` (arrays or ``ShapeDtypeStruct``).
       seq_len: the training sequence length, ``1 <= seq_len <= max_position_embeddings``.
 
     Returns:
-      an ``nnx.State`` with the structure of ``nnx.state(model, nnx.Param)`` and float32 0/1 leaves.
+      an ``nnx.State`` with the structure of ``nnx.state(model, nnx.Param)`` whose leaves are None except the
+      position embedding's: a float32 0/1 array of shape ``(max_position_embeddings, 1)``.
     """
     state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state, nnx.Param)
     found = []
 
     def leaf(keypath, x):
         names = _key_names(keypath)
-        mask = np.ones(x.shape, np.float32)
-        if names[-3:] == ("embeddings", "position_embeddings", "embedding"):
-            if not 1 <= seq_len <= x.shape[0]:
-                raise ValueError(f"seq_len must be in [1, {x.shape[0]}] (max_position_embeddings), got {seq_len}")
-            mask[seq_len:] = 0.0
-            found.append(names)
+        if names[-3:] != ("embeddings", "position_embeddings", "embedding"):
+            return None
+        if not 1 <= seq_len <= x.shape[0]:
+            raise ValueError(f"seq_len must be in [1, {x.shape[0]}] (max_position_embeddings), got {seq_len}")
+        found.append(names)
+        mask = np.ones((x.shape[0],) + (1,) * (len(x.shape) - 1), np.float32)
+        mask[seq_len:] = 0.0
         return jnp.asarray(mask)
 
     out = jax.tree_util.tree_map_with_path(leaf, state)

@@ -193,8 +193,11 @@ def test_position_embedding_mask(seq_len):
     model = BertModel(CONFIG, rngs=nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)
     mask = position_embedding_mask(model, seq_len)
-    assert jax.tree.structure(mask) == jax.tree.structure(params)
-    assert jax.tree.structure(position_embedding_mask(params, seq_len)) == jax.tree.structure(params)
+    # Sparse: one leaf per param, None (not masked) except the position embedding's row mask.
+    mask_leaves = jax.tree.structure(params).flatten_up_to(mask)
+    assert len(mask_leaves) == len(jax.tree.leaves(params))
+    assert sum(m is not None for m in mask_leaves) == 1
+    assert len(jax.tree.structure(params).flatten_up_to(position_embedding_mask(params, seq_len))) == len(mask_leaves)
 
     # Independent reference: the rows a batch of length seq_len gives a non-zero gradient to.
     ids = jnp.asarray(np.random.default_rng(0).integers(1, CONFIG.vocab_size, (2, seq_len), dtype=np.int32))
@@ -203,17 +206,14 @@ def test_position_embedding_mask(seq_len):
     used = np.any(pos_grad != 0, axis=1).astype(np.float32)
     assert used.sum() == seq_len
     pos_mask = np.asarray(mask["embeddings"]["position_embeddings"]["embedding"][...])
-    assert pos_mask.dtype == np.float32 and pos_mask.shape == (CONFIG.max_position_embeddings, CONFIG.hidden_size)
-    np.testing.assert_array_equal(pos_mask, np.broadcast_to(used[:, None], pos_mask.shape))
+    assert pos_mask.dtype == np.float32 and pos_mask.shape == (CONFIG.max_position_embeddings, 1)
+    np.testing.assert_array_equal(pos_mask, used[:, None])
 
-    # Every other leaf is all ones, and the mask combines leaf-wise with the gradient state as an optax mask does.
-    masked = jax.tree.map(lambda g, m: g * m, nnx.state(grads, nnx.Param), mask)
-    for (path, m), g, mg in zip(
-        jax.tree_util.tree_leaves_with_path(mask), jax.tree.leaves(grads), jax.tree.leaves(masked), strict=True
-    ):
-        if "position_embeddings" not in jax.tree_util.keystr(path):
-            assert np.all(np.asarray(m) == 1.0)
-        np.testing.assert_array_equal(np.asarray(mg), np.asarray(g) * np.asarray(m))
+    # Leaf-wise, None meaning ones, the mask keeps exactly the gradient's non-zero entries.
+    for m, g in zip(mask_leaves, jax.tree.leaves(nnx.state(grads, nnx.Param)), strict=True):
+        full = np.ones(np.shape(g), np.float32) if m is None else np.broadcast_to(np.asarray(m), np.shape(g))
+        np.testing.assert_array_equal(np.asarray(g) * full, np.asarray(g))
+        assert m is None or np.all(np.asarray(g)[np.broadcast_to(np.asarray(m), np.shape(g)) == 0] == 0)
 
 
 def test_position_embedding_mask_errors():
