@@ -5,7 +5,15 @@
 """
 
 from jonebit.transforms.onebit_adam import OneBitAdamState, onebit_adam, sharded_init, state_specs
+from jonebit.transforms.zero_one_adam import ZeroOneAdamState, zero_one_adam
 
 __version__ = "0.1.0"
 
-__all__ = ["OneBitAdamState", "onebit_adam", "sharded_init", "state_specs"]
+__all__ = [
+    "OneBitAdamState",
+    "ZeroOneAdamState",
+    "onebit_adam",
+    "sharded_init",
+    "state_specs",
+    "zero_one_adam",
+]

@@ -1,5 +1,13 @@
 """optax GradientTransformations: one module per optimizer."""
 
 from jonebit.transforms.onebit_adam import OneBitAdamState, onebit_adam, sharded_init, state_specs
+from jonebit.transforms.zero_one_adam import ZeroOneAdamState, zero_one_adam
 
-__all__ = ["OneBitAdamState", "onebit_adam", "sharded_init", "state_specs"]
+__all__ = [
+    "OneBitAdamState",
+    "ZeroOneAdamState",
+    "onebit_adam",
+    "sharded_init",
+    "state_specs",
+    "zero_one_adam",
+]
