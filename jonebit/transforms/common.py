@@ -80,15 +80,7 @@ def check_mask(mask, params, who: str) -> None:
 
 def check_local_grads(grads, backend: Backend, who: str) -> None:
     """Refuses gradients typed as identical on all ranks (already all-reduced by autodiff)."""
-    if not isinstance(backend, AxisBackend):
-        return
-    try:
-        from jax._src import config as jax_config
-
-        vma_checked = bool(jax_config._check_vma.value)
-    except (ImportError, AttributeError):  # pragma: no cover - older/newer jax internals
-        return
-    if not vma_checked:
+    if not isinstance(backend, AxisBackend) or not _vma_checked():
         return
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
         if backend.axis_name not in varying_axes(g):
@@ -97,6 +89,29 @@ def check_local_grads(grads, backend: Backend, who: str) -> None:
                 "already all-reduced. The 1-bit optimizers need each rank's local gradient: inside shard_map, cast "
                 f"replicated params with jax.lax.pcast(params, {backend.axis_name!r}, to='varying') before jax.grad "
                 "(otherwise autodiff inserts a full-precision psum)."
+            )
+
+
+def _vma_checked() -> bool:
+    try:
+        from jax._src import config as jax_config
+
+        return bool(jax_config._check_vma.value)
+    except (ImportError, AttributeError):  # pragma: no cover - older/newer jax internals
+        return False
+
+
+def check_replicated_params(params, backend: Backend, who: str) -> None:
+    """Refuses params typed as differing per rank where the optimizer keeps them (and its state) replicated."""
+    if not isinstance(backend, AxisBackend) or not _vma_checked():
+        return
+    for path, p in jax.tree_util.tree_leaves_with_path(params):
+        if backend.axis_name in varying_axes(p):
+            raise ValueError(
+                f"{who}: param {jax.tree_util.keystr(path)} varies over axis {backend.axis_name!r}, but this optimizer "
+                "keeps the params identical on all ranks (its per-tensor coefficients are replicated state). Pass the "
+                f"replicated params (in_specs P()) to update; cast only the copy you differentiate with "
+                f"jax.lax.pcast(params, {backend.axis_name!r}, to='varying')."
             )
 
 

@@ -177,6 +177,7 @@ def onebit_lamb(
         common.check_float_leaves(grads, "gradient", _WHO)
         backend = get_backend(axis_name, mpi_comm)
         common.check_local_grads(grads, backend, _WHO)
+        common.check_replicated_params(params, backend, _WHO)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         ps = jax.tree.map(lambda p: p.astype(jnp.float32), params)
         we, se = common.per_rank(state.worker_error, backend), common.per_rank(state.server_error, backend)

@@ -193,6 +193,15 @@ def test_bad_trees_and_contexts():
     with pytest.raises(ValueError, match="trust ratio needs params"):
         no_params(put_rows({"w": np.ones((2, 4, 4), np.float32)}, mesh), state)
 
+    @jax.shard_map(mesh=mesh, in_specs=(P("data"), specs, P("data")), out_specs=P("data"))
+    def per_rank_params(params, state, grads):
+        params, grads = (jax.tree.map(lambda x: x[0], t) for t in (params, grads))
+        return tx.update(grads, state, params)[0]
+
+    rows = put_rows({"w": np.ones((2, 4, 4), np.float32)}, mesh)
+    with pytest.raises(ValueError, match=r"onebit_lamb: param \['w'\] varies over axis 'data'.*in_specs P\(\)"):
+        per_rank_params(rows, state, rows)
+
 
 def test_checkpoint_round_trip_resumes_bit_identically(tmp_path):
     from jonebit.train import checkpoint
