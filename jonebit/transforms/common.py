@@ -115,6 +115,20 @@ def check_replicated_params(params, backend: Backend, who: str) -> None:
             )
 
 
+def check_per_rank_params(params, backend: Backend, who: str) -> None:
+    """Refuses params typed as identical on all ranks where the optimizer moves each rank's params on its own."""
+    if params is None or not isinstance(backend, AxisBackend) or not _vma_checked():
+        return
+    for path, p in jax.tree_util.tree_leaves_with_path(params):
+        if backend.axis_name not in varying_axes(p):
+            raise ValueError(
+                f"{who}: param {jax.tree_util.keystr(path)} is replicated over axis {backend.axis_name!r}, but this "
+                "optimizer's local steps move each rank's params on their own. Carry the params per rank: a leading "
+                f"rank axis with in_specs/out_specs P({backend.axis_name!r}), and pass this rank's copy (x[0]) to "
+                "update (see the zero_one_adam docstring)."
+            )
+
+
 def num_elements(params) -> int:
     return sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
 

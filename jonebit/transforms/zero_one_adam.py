@@ -187,6 +187,7 @@ def zero_one_adam(
         common.check_float_leaves(grads, "gradient", _WHO)
         backend = get_backend(axis_name, mpi_comm)
         common.check_local_grads(grads, backend, _WHO)
+        common.check_per_rank_params(params, backend, _WHO)
         local = lambda t: common.per_rank(t, backend)  # noqa: E731
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         row = lambda t: jax.tree.map(lambda x: x[0], t)  # noqa: E731

@@ -208,6 +208,23 @@ def test_already_reduced_gradients_are_refused():
         bad(put_replicated(params, mesh), state, put_rows(jnp.ones(32), mesh))
 
 
+def test_replicated_params_are_refused():
+    """The local steps move each rank's params: a replicated params tree (in_specs P()) cannot hold them."""
+    mesh = mesh_of(2)
+    params = {"w": jnp.ones(16)}
+    tx = zero_one_adam(1e-3)
+    state, specs = sharded_init(tx, params, mesh)
+
+    @jax.shard_map(mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=P("data"))
+    def replicated(params, state, x):
+        local = jax.lax.pcast(params, "data", to="varying")
+        grads = jax.grad(lambda p: jnp.sum(p["w"] * x))(local)
+        return tx.update(grads, state, params)[0]
+
+    with pytest.raises(ValueError, match=r"zero_one_adam: param \['w'\] is replicated over axis 'data'.*per rank"):
+        replicated(put_replicated(params, mesh), state, put_rows(jnp.ones(32), mesh))
+
+
 def test_checkpoint_round_trip_resumes_bit_identically(tmp_path):
     from jonebit.train import checkpoint
 
