@@ -4,6 +4,7 @@
 (``jax.shard_map`` collectives or MPI), ZeRO-style sharding, and a Flax NNX BERT.
 """
 
+from jonebit.transforms.common import AutoFreeze
 from jonebit.transforms.onebit_adam import OneBitAdamState, onebit_adam, sharded_init, state_specs
 from jonebit.transforms.onebit_lamb import OneBitLambState, onebit_lamb
 from jonebit.transforms.zero_one_adam import ZeroOneAdamState, zero_one_adam
@@ -11,6 +12,7 @@ from jonebit.transforms.zero_one_adam import ZeroOneAdamState, zero_one_adam
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutoFreeze",
     "OneBitAdamState",
     "OneBitLambState",
     "ZeroOneAdamState",

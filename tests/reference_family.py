@@ -252,3 +252,22 @@ class NumpyOneBitLamb:
         self.coeffs.append(applied)
         return self.params
 
+
+
+def np_auto_freeze(norm_history, *, min_step, max_step, check_every, threshold, patience):
+    """The automatic freeze point from per-update variance norms (``norm_history[t]``: dict of ``||v||`` after update
+    ``t + 1``), by the rule stated in ``jonebit.AutoFreeze``; ``None`` if it fires after the history ends."""
+    reference, calm = None, 0
+    for t, norms in enumerate(norm_history):
+        done = t + 1
+        if done % check_every == 0:
+            if reference is not None:
+                change = max(abs(norms[k] - reference[k]) / reference[k] if reference[k] > 0 else
+                             (np.inf if norms[k] > 0 else 0.0) for k in norms)
+                calm = calm + 1 if change < threshold else 0
+            reference = dict(norms)
+            if calm >= patience and done >= min_step:
+                return done
+        if done >= max_step:
+            return done
+    return None

@@ -8,7 +8,7 @@ refusal of already-reduced gradients, and the validation of hyperparameters, tre
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -198,3 +198,78 @@ def apply_mask(tree, mask):
 
 def learning_rate_at(learning_rate: ScalarOrSchedule, count) -> Any:
     return learning_rate(count) if callable(learning_rate) else learning_rate
+
+
+class AutoFreeze(NamedTuple):
+    """The rule that picks the freeze point when ``freeze_step="auto"``.
+
+    Every ``check_every`` warmup updates, each tensor's variance norm ``||v_i||`` is compared with its value at the
+    previous check; the check is *calm* when ``max_i |Δ||v_i||| / ||v_i||_prev < threshold``. Compression starts
+    after the update on which ``patience`` consecutive checks were calm, but not before ``min_step`` updates, and
+    at the latest after ``max_step`` updates. ``v`` is identical on all ranks, so every rank decides the same.
+
+    Attributes:
+      min_step: fewest warmup updates (keep ``>= 1 / (1 - coeff_beta)`` for LAMB's coefficient EMA).
+      max_step: most warmup updates (the hard cap).
+      check_every: updates between checks.
+      threshold: largest relative change of a tensor's variance norm that counts as calm.
+      patience: consecutive calm checks needed.
+    """
+
+    min_step: int = 100
+    max_step: int = 100000
+    check_every: int = 50
+    threshold: float = 0.05
+    patience: int = 3
+
+    def checked(self, who: str) -> AutoFreeze:
+        for name in ("min_step", "max_step", "check_every", "patience"):
+            check_int(f"auto_freeze.{name}", getattr(self, name), minimum=1, who=who)
+        if self.max_step < self.min_step:
+            raise ValueError(f"{who}: auto_freeze.max_step ({self.max_step}) must be >= min_step ({self.min_step})")
+        if not (is_number(self.threshold) and self.threshold > 0):
+            raise ValueError(f"{who}: auto_freeze.threshold must be a number > 0, got {self.threshold!r}")
+        return self
+
+
+def variance_norms(nu):
+    """Per-tensor ``||v||`` (float32 scalars, a tree like ``nu``)."""
+    return jax.tree.map(lambda v: jnp.sqrt(jnp.sum(v * v)), nu)
+
+
+def auto_freeze_step(rule: AutoFreeze, count, nu, reference, calm_checks, freeze_at, backend: Backend | None = None):
+    """One warmup update's freeze decision: ``(freeze_at, reference, calm_checks)`` after update ``count`` (0-based).
+
+    ``freeze_at`` becomes ``count + 1`` (this was the last warmup update) when the rule fires; otherwise it keeps its
+    value (initially ``rule.max_step``, the cap). ``reference`` holds the variance norms of the last check.
+    """
+    done = count + 1
+    is_check = done % rule.check_every == 0
+    norms = variance_norms(nu)
+    change = [jnp.abs(n - r) / jnp.where(r > 0, r, 1.0) + jnp.where((r == 0) & (n > 0), jnp.inf, 0.0)
+              for n, r in zip(jax.tree.leaves(norms), jax.tree.leaves(reference), strict=True)]
+    calm = jnp.max(jnp.stack(change)) < rule.threshold
+    # The first check has nothing to compare with: it only records the reference.
+    first = done == rule.check_every
+    calm_checks = jnp.where(is_check, jnp.where(calm & ~first, calm_checks + 1, 0), calm_checks)
+    reference = jax.tree.map(lambda n, r: jnp.where(is_check, n, r), norms, reference)
+    fire = (is_check & (calm_checks >= rule.patience) & (done >= rule.min_step)) | (done >= rule.max_step)
+    new_freeze_at = jnp.where(fire & (freeze_at > done), done, freeze_at)
+    if backend is not None:
+        _log_freeze(new_freeze_at != freeze_at, done, backend)
+    return new_freeze_at, reference, calm_checks
+
+
+def _log_freeze(fired, done, backend: Backend) -> None:
+    """Logs the automatic freeze point once (rank 0 of a mesh axis; every MPI process logs its own)."""
+    import logging
+
+    rank = jax.lax.axis_index(backend.axis_name) if isinstance(backend, AxisBackend) else jnp.zeros([], jnp.int32)
+
+    def emit(fired, done, rank):
+        if bool(fired) and int(rank) == 0:
+            logging.getLogger("jonebit.transforms").info(
+                "freeze_step='auto': variance settled, compression starts after update %d", int(done))
+
+    # Only the update that fires pays for the host callback.
+    jax.lax.cond(fired, lambda: jax.debug.callback(emit, fired, done, rank), lambda: None)

@@ -66,7 +66,7 @@ class OneBitLambState(NamedTuple):
     """State of :func:`onebit_lamb`.
 
     Attributes:
-      count: updates applied so far (int32); ``count < freeze_step`` means warmup.
+      count: updates applied so far (int32); ``count < freeze_at`` means warmup.
       mu: momentum, float32, like the params; identical on all ranks.
       nu: variance, like the params; frozen after warmup.
       nu_fresh: the variance kept current from the reconstructed gradient during compression (``exp_avg_sq_fresh``).
@@ -76,6 +76,10 @@ class OneBitLambState(NamedTuple):
       padding: the fused buffer's tail beyond the momenta, ``padded_size(N, P) - N`` floats.
       worker_error: this rank's worker error of the fused buffer, ``(1, padded_size(N, P))``.
       server_error: this rank's server error, ``(1, padded_size(N, P) // P)``.
+      freeze_at: number of warmup updates (int32): ``freeze_step``, or with ``freeze_step="auto"`` the cap until the
+        rule fires and then the update it fired on (kept, so a resumed run continues the decision).
+      variance_norms: per tensor, ``||v||`` at the last check of the automatic rule (unused with a fixed freeze_step).
+      calm_checks: consecutive calm checks of the automatic rule.
     """
 
     count: jax.Array
@@ -88,12 +92,15 @@ class OneBitLambState(NamedTuple):
     padding: jax.Array
     worker_error: jax.Array
     server_error: jax.Array
+    freeze_at: jax.Array
+    variance_norms: Any
+    calm_checks: jax.Array
 
 
 def onebit_lamb(
     learning_rate: ScalarOrSchedule,
     *,
-    freeze_step: int,
+    freeze_step: int | str,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
@@ -108,6 +115,7 @@ def onebit_lamb(
     exp_avg_mask: Any = None,
     axis_name: str | None = "data",
     mpi_comm: Any = None,
+    auto_freeze: common.AutoFreeze | None = None,
 ) -> optax.GradientTransformation:
     """1-bit LAMB (Li et al., 2021) with DeepSpeed's semantics (see the module docstring for the stages).
 
@@ -115,7 +123,8 @@ def onebit_lamb(
       learning_rate: a float or an optax schedule of the update count (0-based).
       freeze_step: number of full-precision LAMB updates before compression starts (>= 1). DeepSpeed's
         ``freeze_step=F`` gives ``F - 1`` of them (its first ``step()`` only initialises): pass ``F - 1``.
-        Keep ``1 / (1 - coeff_beta) <= freeze_step`` so that the coefficient EMA has warmed up.
+        Keep ``1 / (1 - coeff_beta) <= freeze_step`` so that the coefficient EMA has warmed up. ``"auto"``: switch
+        when the variance has settled, by the rule of ``auto_freeze`` (:class:`jonebit.AutoFreeze`).
       b1: momentum decay.
       b2: variance decay.
       eps: added to ``sqrt(v)``.
@@ -130,6 +139,8 @@ def onebit_lamb(
       exp_avg_mask: optional pytree of 0/1 arrays like the params, multiplied into the averaged momentum.
       axis_name: the ``jax.shard_map`` mesh axis of the data-parallel ranks.
       mpi_comm: an mpi4py communicator (or :class:`~jonebit.comm.MPIBackend`); the collectives then go through MPI.
+      auto_freeze: the rule for ``freeze_step="auto"`` (default ``AutoFreeze()``); decided inside the compiled step,
+        identically on every rank, logged once and kept in the state (``freeze_at``).
 
     Returns:
       An ``optax.GradientTransformation`` whose ``update(local_grads, state, params)`` expects this rank's local
@@ -140,10 +151,20 @@ def onebit_lamb(
             f"{_WHO}: bias_correction=True is not supported: DeepSpeed's 1-bit LAMB ignores the flag, and its frozen "
             "trust-ratio coefficients are fitted to the uncorrected update; pass bias_correction=False"
         )
-    freeze_step = common.check_int(
-        "freeze_step", freeze_step, minimum=1, who=_WHO,
-        hint=" (compression needs a variance estimated on at least one warmup update; DeepSpeed's freeze_step=F "
-             "is F - 1 here)")
+    rule = None
+    if isinstance(freeze_step, str):
+        if freeze_step != "auto":
+            raise ValueError(f"{_WHO}: freeze_step must be an int or \"auto\", got {freeze_step!r}")
+        rule = (auto_freeze if auto_freeze is not None else common.AutoFreeze()).checked(_WHO)
+        freeze_step = rule.max_step
+    else:
+        if auto_freeze is not None:
+            raise ValueError(f"{_WHO}: auto_freeze applies to freeze_step=\"auto\" only, got "
+                             f"freeze_step={freeze_step!r}")
+        freeze_step = common.check_int(
+            "freeze_step", freeze_step, minimum=1, who=_WHO,
+            hint=" (compression needs a variance estimated on at least one warmup update; DeepSpeed's freeze_step=F "
+                 "is F - 1 here)")
     common.check_betas_eps(_WHO, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, coeff_beta=coeff_beta)
     _check_bounds("min_coeff", min_coeff, "max_coeff", max_coeff, floor=0.0)
     _check_bounds("factor_min", factor_min, "factor_max", factor_max, floor=0.0)
@@ -168,7 +189,8 @@ def onebit_lamb(
             count=jnp.zeros([], jnp.int32), mu=zeros(), nu=zeros(), nu_fresh=zeros(),
             lamb_coeff_freeze=scalars(0.0), last_factor=scalars(1.0), scaling_coeff=scalars(1.0),
             padding=jnp.zeros(padded_size(n, backend.size) - n, jnp.float32),
-            worker_error=worker, server_error=server,
+            worker_error=worker, server_error=server, freeze_at=jnp.full([], freeze_step, jnp.int32),
+            variance_norms=scalars(0.0), calm_checks=jnp.zeros([], jnp.int32),
         )
 
     def update_fn(grads, state, params=None):
@@ -189,7 +211,11 @@ def onebit_lamb(
             g = backend.mean(grads)
             m = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, state.mu, g)
             v = jax.tree.map(lambda v, g: b2 * v + (1.0 - b2) * g * g, state.nu, g)
-            v_fresh = jax.tree.map(lambda f, v: jnp.where(count == freeze_step - 1, v, f), state.nu_fresh, v)
+            freeze_at, norms, calm = state.freeze_at, state.variance_norms, state.calm_checks
+            if rule is not None:
+                freeze_at, norms, calm = common.auto_freeze_step(rule, count, v, norms, calm, freeze_at, backend)
+            # The last warmup update starts the fresh variance from v.
+            v_fresh = jax.tree.map(lambda f, v: jnp.where(count == freeze_at - 1, v, f), state.nu_fresh, v)
 
             def tensor(m, v, p, frozen):
                 u = m / (jnp.sqrt(v) + eps) + weight_decay * p
@@ -201,14 +227,15 @@ def onebit_lamb(
 
             out = jax.tree.map(tensor, m, v, ps, state.lamb_coeff_freeze)
             updates, frozen = _unzip(out, m)
-            return (updates, m, v, v_fresh, frozen, state.last_factor, state.scaling_coeff, state.padding, we, se)
+            return (updates, m, v, v_fresh, frozen, state.last_factor, state.scaling_coeff, state.padding, we, se,
+                    freeze_at, norms, calm)
 
         def compression(_):
             m_prev = state.mu
             # The momenta's common RMS over their own RMS, fixed at the first compression step.
             rms = jax.tree.map(lambda m: norm(m) / math.sqrt(max(m.size, 1)), m_prev)
             united = sum(jax.tree.leaves(rms)) / len(jax.tree.leaves(rms))
-            first = count == freeze_step
+            first = count == state.freeze_at
             scaling = jax.tree.map(lambda s, r: jnp.where(first, jnp.where(r > 0, united / jnp.where(r > 0, r, 1.0),
                                                                            1.0), s), state.scaling_coeff, rms)
             m_local = jax.tree.map(lambda m, g, s: (b1 * m + (1.0 - b1) * g) * s, m_prev, grads, scaling)
@@ -243,14 +270,16 @@ def onebit_lamb(
 
             out = jax.tree.map(tensor, m, state.nu, v_fresh, ps, state.lamb_coeff_freeze, state.last_factor)
             updates, last = _unzip(out, m)
-            return (updates, m, state.nu, v_fresh, state.lamb_coeff_freeze, last, scaling, padding, we1, se1)
+            return (updates, m, state.nu, v_fresh, state.lamb_coeff_freeze, last, scaling, padding, we1, se1,
+                    state.freeze_at, state.variance_norms, state.calm_checks)
 
-        (updates, mu, nu, nu_fresh, frozen, last, scaling, padding, we, se) = lax.cond(
-            count < freeze_step, warmup, compression, None)
+        (updates, mu, nu, nu_fresh, frozen, last, scaling, padding, we, se, freeze_at, norms, calm) = lax.cond(
+            count < state.freeze_at, warmup, compression, None)
         updates = jax.tree.map(lambda d, p: d.astype(p.dtype), updates, params)
         return updates, OneBitLambState(
             count=optax.safe_int32_increment(count), mu=mu, nu=nu, nu_fresh=nu_fresh, lamb_coeff_freeze=frozen,
             last_factor=last, scaling_coeff=scaling, padding=padding, worker_error=we, server_error=se,
+            freeze_at=freeze_at, variance_norms=norms, calm_checks=calm,
         )
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -277,6 +306,7 @@ def onebit_lamb_specs(state: OneBitLambState, axis_name: str = "data") -> OneBit
         count=P(), mu=rep(state.mu), nu=rep(state.nu), nu_fresh=rep(state.nu_fresh),
         lamb_coeff_freeze=rep(state.lamb_coeff_freeze), last_factor=rep(state.last_factor),
         scaling_coeff=rep(state.scaling_coeff), padding=P(), worker_error=P(axis_name), server_error=P(axis_name),
+        freeze_at=P(), variance_norms=rep(state.variance_norms), calm_checks=P(),
     )
 
 

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 import jonebit
 from jonebit import onebit_lamb, sharded_init, state_specs
 from jonebit.sharding.zero import zero_shardings
-from tests.reference_family import NumpyOneBitLamb
+from tests.reference_family import NumpyOneBitLamb, np_auto_freeze
 from tests.transforms.family_util import (
     make_params,
     mesh_of,
@@ -229,3 +229,74 @@ def test_checkpoint_round_trip_resumes_bit_identically(tmp_path):
         cont = step(*cont, g)
         resumed = step(*resumed, g)
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed), jax.device_get(cont))
+
+
+AUTO = dict(min_step=6, max_step=60, check_every=3, threshold=0.06, patience=2)
+
+
+def auto_run(rule, steps, *, seed=3, p=2):
+    """onebit_lamb(freeze_step="auto") and the numpy reference's variance norms on the same gradients."""
+    rng = np.random.default_rng(seed)
+    params0 = make_params(rng)
+    mesh = mesh_of(p)
+    tx = onebit_lamb(1e-2, freeze_step="auto", auto_freeze=jonebit.AutoFreeze(**rule), b2=0.9)
+    state, specs = sharded_init(tx, params0, mesh)
+    step = replicated_stepper(tx, mesh, specs)
+    params = put_replicated(params0, mesh)
+    ref = NumpyOneBitLamb(params0, p, lr=1e-2, freeze_step=10**6, b2=0.9)  # warmup only: the variance trajectory
+    grads, norms = [], []
+    for _ in range(steps):
+        g = random_grads(rng, params0, p)
+        grads.append(g)
+        params, state = step(params, state, put_rows(stack(g), mesh))
+        ref.step(g)
+        norms.append({k: float(np.sqrt(np.sum(ref.v[k].astype(np.float64) ** 2))) for k in ref.keys})
+    return params0, grads, params, state, norms
+
+
+def test_auto_freeze_fires_by_the_stated_rule_and_equals_that_fixed_freeze_step(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="jonebit.transforms"):
+        params0, grads, params, state, norms = auto_run(AUTO, 36)
+    want = np_auto_freeze(norms, **AUTO)
+    assert want is not None and AUTO["min_step"] < want < 30  # the rule itself decided, not a bound
+    assert int(state.freeze_at) == want
+    assert caplog.text.count("compression starts after update") == 1
+    assert f"after update {want}" in caplog.text
+    # From there on it is exactly 1-bit LAMB with that freeze_step.
+    p = 2
+    mesh = mesh_of(p)
+    tx = onebit_lamb(1e-2, freeze_step=want, b2=0.9)
+    fixed_state, specs = sharded_init(tx, params0, mesh)
+    step = replicated_stepper(tx, mesh, specs)
+    fixed = put_replicated(params0, mesh)
+    for g in grads:
+        fixed, fixed_state = step(fixed, fixed_state, put_rows(stack(g), mesh))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), jax.device_get(fixed))
+    np.testing.assert_array_equal(np.asarray(state.worker_error), np.asarray(fixed_state.worker_error))
+
+
+def test_auto_freeze_bounds():
+    strict = dict(AUTO, threshold=1e-9)  # never calm: the cap decides
+    *_, state, norms = auto_run(dict(strict, max_step=10), 12, p=1)
+    assert int(state.freeze_at) == 10 and np_auto_freeze(norms, **dict(strict, max_step=10)) == 10
+    lax_rule = dict(AUTO, threshold=10.0, min_step=15)  # calm from the second check: the minimum decides
+    *_, state, norms = auto_run(lax_rule, 20, p=1)
+    assert int(state.freeze_at) == 15 == np_auto_freeze(norms, **lax_rule)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(freeze_step="never"), r"freeze_step must be an int or \"auto\", got 'never'"),
+        (dict(freeze_step=5, auto_freeze=jonebit.AutoFreeze()), r"auto_freeze applies to freeze_step=\"auto\" only"),
+        (dict(freeze_step="auto", auto_freeze=jonebit.AutoFreeze(min_step=50, max_step=10)),
+         r"auto_freeze.max_step \(10\) must be >= min_step \(50\)"),
+        (dict(freeze_step="auto", auto_freeze=jonebit.AutoFreeze(threshold=0.0)), r"auto_freeze.threshold must be"),
+        (dict(freeze_step="auto", auto_freeze=jonebit.AutoFreeze(check_every=0)), r"auto_freeze.check_every must be"),
+    ],
+)
+def test_bad_auto_freeze(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        onebit_lamb(1e-3, **kwargs)
