@@ -25,6 +25,12 @@ The fused buffer is the momenta in leaf order plus a tail of padding up to a mul
 DeepSpeed, the tail starts at zero and afterwards holds what the previous allreduce decoded there (it enters the
 next step's scales); it is part of the state.
 
+``freeze_step="auto"`` replaces the fixed switch by a rule (:class:`jonebit.AutoFreeze`): every ``check_every``
+warmup updates the per-tensor variance norms are compared with the previous check, and compression starts once
+their largest relative change stayed below ``threshold`` for ``patience`` checks (between ``min_step`` and
+``max_step`` updates). The decision is taken inside the compiled step from replicated values, so every rank takes
+it at the same update; it is logged once and kept in the state (``freeze_at``), so a resumed run continues it.
+
 Parameters and moments are identical on all ranks (params can stay replicated, ``P()``); only the two error
 buffers are per rank (:func:`jonebit.state_specs`).
 
