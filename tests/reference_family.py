@@ -63,11 +63,12 @@ class NumpyZeroOneAdam:
 
     def __init__(self, params, p, *, lr, var_freeze_step, var_update_scaler=16, local_step_scaler=32678,
                  local_step_clipper=16, b1=0.9, b2=0.999, eps=1e-8, wd=0.0, mask=None, fused=True,
-                 p1_momentum=True):
+                 p1_momentum=True, bias_correction=False):
         self.p, self.lr, self.b1, self.b2, self.eps, self.wd = p, lr, b1, b2, eps, wd
         self.V, self.kappa, self.scaler, self.clipper = var_freeze_step, var_update_scaler, local_step_scaler, \
             local_step_clipper
-        self.mask, self.p1_momentum = mask, p1_momentum
+        self.mask, self.p1_momentum, self.bias_correction = mask, p1_momentum, bias_correction
+        self.var_updates = 0
         self.keys = sorted(params)
         self.params = [{k: np.array(params[k], f32) for k in self.keys} for _ in range(p)]
         self.m = [{k: np.zeros_like(v) for k, v in self.params[0].items()} for _ in range(p)]
@@ -83,12 +84,20 @@ class NumpyZeroOneAdam:
     def _lr(self):
         return f32(self.lr(self.ds_step - 2) if callable(self.lr) else self.lr)
 
+    def _denom(self):
+        """sqrt(v) + eps, with the variance corrected by 1 - b2^(variance updates) when asked."""
+        eps = f32(self.eps)
+        if not self.bias_correction:
+            return {key: np.sqrt(self.v[key]) + eps for key in self.keys}
+        c2 = f32(1) - f32(self.b2) ** f32(self.var_updates)
+        return {key: np.sqrt(self.v[key] / c2) + eps for key in self.keys}
+
     def _masked(self, d):
         return d if self.mask is None else {k: d[k] * self.mask[k] for k in self.keys}
 
     def step(self, local_grads):
         """local_grads: list over ranks of dicts. Returns the list of per-rank params."""
-        b1, b2, eps, P = f32(self.b1), f32(self.b2), f32(self.eps), self.p
+        b1, b2, P = f32(self.b1), f32(self.b2), self.p
         ob1, ob2 = f32(1 - self.b1), f32(1 - self.b2)  # DeepSpeed: 1 - beta in Python floats
         self.ds_step += 1
         s, lr = self.ds_step, self._lr()
@@ -99,6 +108,7 @@ class NumpyZeroOneAdam:
                 for r in range(P):
                     self.m[r] = {k: b1 * self.m[r][k] + ob1 * g[k] for k in self.keys}
                 self.v = {k: b2 * self.v[k] + ob2 * g[k] * g[k] for k in self.keys}
+                self.var_updates += 1
                 self.log.append("var")
             else:
                 if P > 1:
@@ -111,9 +121,12 @@ class NumpyZeroOneAdam:
                     for r in range(P):
                         self.m[r] = {k: b1 * self.m[r][k] + ob1 * ghat[k] for k in self.keys}
                 self.log.append("onebit")
+            denom = self._denom()
+            c1 = f32(1) - f32(self.b1) ** f32(s - 1) if self.bias_correction else f32(1)
             for r in range(P):
                 for k in self.keys:
-                    d = self.m[r][k] / (np.sqrt(self.v[k]) + eps) + f32(self.wd) * self.params[r][k]
+                    m = self.m[r][k] / c1 if self.bias_correction else self.m[r][k]
+                    d = m / denom[k] + f32(self.wd) * self.params[r][k]
                     self.params[r][k] = self.params[r][k] - lr * d
             if var_step:
                 self.var_counter += 1
@@ -121,23 +134,24 @@ class NumpyZeroOneAdam:
                     self.var_counter, self.var_interval = 0, 2 * self.var_interval
         else:
             self.lrs = f32(self.lrs + lr)
+            denom = self._denom()
             for r in range(P):
                 for k in self.keys:
                     self.m[r][k] = b1 * self.m[r][k] + ob1 * local_grads[r][k]
-                    d = self.m[r][k] / (np.sqrt(self.v[k]) + eps) + f32(self.wd) * self.params[r][k]
+                    d = self.m[r][k] / denom[k] + f32(self.wd) * self.params[r][k]
                     self.params[r][k] = self.params[r][k] - lr * d
                     self.u[r][k] = self.u[r][k] - lr * d
             if s % self.local_interval == 0:
                 for r in range(P):
                     for k in self.keys:
                         self.params[r][k] = self.params[r][k] - self.u[r][k]
-                        self.u[r][k] = self.u[r][k] * (np.sqrt(self.v[k]) + eps)
+                        self.u[r][k] = self.u[r][k] * denom[k]
                 avg = self.comp(self.u) if P > 1 else self.u[0]
                 avg = self._masked(avg)
                 for r in range(P):
                     for k in self.keys:
                         self.m[r][k] = -avg[k] / self.lrs
-                        self.params[r][k] = self.params[r][k] + avg[k] / (np.sqrt(self.v[k]) + eps)
+                        self.params[r][k] = self.params[r][k] + avg[k] / denom[k]
                         self.u[r][k] = np.zeros_like(self.u[r][k])
                 self.lrs = f32(0.0)
                 self.log.append("sync")

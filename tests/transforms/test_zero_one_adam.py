@@ -26,12 +26,13 @@ SCHEDULE = dict(var_freeze_step=12, var_update_scaler=2, local_step_scaler=3, lo
 STEPS = 30
 
 
-def run(p, *, fused=True, wd=0.01, mask=None, lr=1e-2, seed=0, steps=STEPS, schedule=SCHEDULE, **ref_kwargs):
+def run(p, *, fused=True, wd=0.01, mask=None, lr=1e-2, seed=0, steps=STEPS, schedule=SCHEDULE, tx_kwargs=None,
+        **ref_kwargs):
     """Runs zero_one_adam and the numpy reference on the same per-rank gradients; yields per-update results."""
     rng = np.random.default_rng(seed)
     params0 = make_params(rng)
     mesh = mesh_of(p)
-    tx = zero_one_adam(lr, weight_decay=wd, exp_avg_mask=mask, fused=fused, **schedule)
+    tx = zero_one_adam(lr, weight_decay=wd, exp_avg_mask=mask, fused=fused, **schedule, **(tx_kwargs or {}))
     state, specs = sharded_init(tx, params0, mesh)
     step = per_rank_stepper(tx, mesh, specs)
     params = put_rows({k: np.stack([v] * p) for k, v in params0.items()}, mesh)
@@ -87,6 +88,16 @@ def test_per_leaf_compression_and_learning_rate_schedule():
     sched = optax.linear_schedule(2e-2, 5e-3, STEPS)
     for t, got, want, _, _, _ in run(4, fused=False, lr=sched, wd=0.0):
         assert_close(got, want, t)
+
+
+def test_bias_correction_through_every_phase():
+    """Variance corrected by 1 - b2^(variance updates), frozen with it; momentum by 1 - b1^t in the first phase."""
+    plain = NumpyZeroOneAdam(make_params(np.random.default_rng(0)), 4, lr=1e-2, wd=0.01, **SCHEDULE)
+    gap = 0.0
+    for t, got, want, ref, state, grads in run(4, tx_kwargs=dict(bias_correction=True), bias_correction=True):  # noqa: B007
+        assert_close(got, want, t, rtol=1e-4, atol=1e-4)
+        gap = max(gap, np.abs(got["w"][0] - plain.step(grads)[0]["w"]).max())
+    assert int(state.var_updates) == ref.var_updates == 6 and gap > 1e-2
 
 
 def test_local_steps_and_schedule_are_deepspeed_counted():
@@ -161,7 +172,7 @@ def test_state_layout_specs_and_zero_shardings():
         (dict(b2=-0.1), ValueError, r"b2 must be in \[0, 1\)"),
         (dict(eps=0.0), ValueError, "eps must be > 0"),
         (dict(weight_decay=-1e-2), ValueError, "weight_decay must be >= 0"),
-        (dict(bias_correction=True), ValueError, "bias_correction=True is not supported"),
+        (dict(bias_correction="yes"), TypeError, "bias_correction must be True or False"),
     ],
 )
 def test_bad_hyperparameters(kwargs, err, match):
