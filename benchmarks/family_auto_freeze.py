@@ -76,8 +76,11 @@ def main():
     auto = jonebit.AutoFreeze(min_step=warm, max_step=t // 2, check_every=10, threshold=0.05, patience=3)
     runs = {
         "Adam (optax.adamw, fp32 allreduce)": (optax.adamw(adam_lr, weight_decay=0.0), False, True),
-        "0/1 Adam (var_freeze_step = lr warmup)": (
+        f"0/1 Adam (DeepSpeed semantics, var_freeze_step={warm} = lr warmup)": (
             jonebit.zero_one_adam(adam_lr, var_freeze_step=warm, var_update_scaler=4, local_step_scaler=40,
+                                  local_step_clipper=4), True, False),
+        f"0/1 Adam (bias_correction=True, var_freeze_step={t // 2})": (
+            jonebit.zero_one_adam(adam_lr, bias_correction=True, var_freeze_step=t // 2, local_step_scaler=40,
                                   local_step_clipper=4), True, False),
         "LAMB (no compression)": (jonebit.onebit_lamb(lamb_lr, freeze_step=t + 1), False, False),
         f"1-bit LAMB, freeze_step={t // 5} (20%)": (jonebit.onebit_lamb(lamb_lr, freeze_step=t // 5), False, False),
