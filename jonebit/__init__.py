@@ -4,8 +4,21 @@
 (``jax.shard_map`` collectives or MPI), ZeRO-style sharding, and a Flax NNX BERT.
 """
 
+from jonebit.transforms.common import AutoFreeze
 from jonebit.transforms.onebit_adam import OneBitAdamState, onebit_adam, sharded_init, state_specs
+from jonebit.transforms.onebit_lamb import OneBitLambState, onebit_lamb
+from jonebit.transforms.zero_one_adam import ZeroOneAdamState, zero_one_adam
 
 __version__ = "0.1.0"
 
-__all__ = ["OneBitAdamState", "onebit_adam", "sharded_init", "state_specs"]
+__all__ = [
+    "AutoFreeze",
+    "OneBitAdamState",
+    "OneBitLambState",
+    "ZeroOneAdamState",
+    "onebit_adam",
+    "onebit_lamb",
+    "sharded_init",
+    "state_specs",
+    "zero_one_adam",
+]

@@ -19,8 +19,9 @@ DeepSpeed ``optimizer.type``    jonebit
 ``Lamb``                        optax's LAMB with DeepSpeed's trust-ratio clamp ``[min_coeff,
                                 max_coeff]``
 ``OneBitAdam`` / ``OnebitAdam``  :func:`jonebit.onebit_adam` with ``freeze_step = F - 1``
-``ZeroOneAdam``, ``OneBitLamb``  refused for now (not implemented yet); one entry in
-                                :data:`OPTIMIZERS` wires each in
+``ZeroOneAdam``                 :func:`jonebit.zero_one_adam` with the same ``var_freeze_step`` (DeepSpeed's
+                                strict ``>`` comparison cancels its initialisation step); ZeRO stage 0 only
+``OneBitLamb`` / ``OnebitLamb``  :func:`jonebit.onebit_lamb` with ``freeze_step = F - 1``; ZeRO stage 0 only
 ==============================  ==================================================================
 
 Types are matched case-insensitively, as DeepSpeed does. ``gradient_clipping > 0`` puts
@@ -246,6 +247,27 @@ _ONEBIT_ADAM_PARAMS = {
     "amsgrad": Param(_bool, False),
     "cuda_aware": Param(_bool, False),
     "comm_backend_name": Param(lambda v, k: _str(v, k, COMM_BACKENDS), "nccl"),
+}
+
+# DeepSpeed's ZeroOneAdam and OnebitLamb take 1-bit Adam's common params (bias_correction is accepted and ignored by
+# both, so it defaults to false here) plus their schedules.
+_ONEBIT_COMMON = {k: v for k, v in _ONEBIT_ADAM_PARAMS.items() if k != "freeze_step"} | {
+    "bias_correction": Param(_bool, False),
+}
+_ZERO_ONE_ADAM_PARAMS = _ONEBIT_COMMON | {
+    "var_freeze_step": Param(_pos_int, 100000),
+    "var_update_scaler": Param(_pos_int, 16),
+    "local_step_scaler": Param(_pos_int, 32678),
+    "local_step_clipper": Param(_pos_int, 16),
+}
+_ONEBIT_LAMB_PARAMS = _ONEBIT_COMMON | {
+    "freeze_step": Param(_pos_int, 100000),
+    "max_coeff": Param(_pos_float, 10.0),
+    "min_coeff": Param(_nonneg_float, 0.01),
+    "coeff_beta": Param(_nonneg_float, 0.9),
+    "factor_max": Param(_pos_float, 4.0),
+    "factor_min": Param(_nonneg_float, 0.5),
+    "factor_threshold": Param(_nonneg_float, 0.1),
 }
 
 
@@ -657,7 +679,7 @@ def _parse_optimizer(raw) -> OptimizerConfig:
     spec = OPTIMIZERS[name.lower()]
     if spec.build is None:
         raise ConfigError("optimizer.type", f"{raw['type']!r} is not available in jonebit yet ({spec.unavailable}); "
-                          "use OneBitAdam, Adam, AdamW or Lamb")
+                          "use OneBitAdam, ZeroOneAdam, OneBitLamb, Adam, AdamW or Lamb")
     params = _parse_params(_section(raw.get("params", {}), "optimizer.params"), "optimizer.params", spec.params,
                            spec.ignored)
     if params.get("amsgrad"):
@@ -676,6 +698,32 @@ def _check_onebit_adam(params: dict, config: DeepSpeedConfig, path: str) -> None
                           f"{config.zero_optimization.stage}) runs over jax collectives only; use \"nccl\" or stage 0")
     if params["comm_backend_name"] == "mpi" and config.zero_optimization.offload_optimizer.enabled:
         raise ConfigError(f"{path}.comm_backend_name", "the MPI path does not offload the optimizer state")
+
+
+def _check_onebit_family(name: str):
+    """Checks shared by ZeroOneAdam and OneBitLamb: ZeRO stage 0 only, and their freeze points."""
+
+    def check(params: dict, config: DeepSpeedConfig, path: str) -> None:
+        if config.zero_optimization.stage:
+            raise ConfigError("zero_optimization.stage", f"{name} runs at ZeRO stage 0 only (its moments, and for 0/1 "
+                              f"Adam the parameters during local steps, are whole on every rank); got stage "
+                              f"{config.zero_optimization.stage}. Set zero_optimization.stage to 0, or use OneBitAdam "
+                              "for stages 1-3")
+        if name == "OneBitLamb" and params["freeze_step"] < 2:
+            raise ConfigError(f"{path}.freeze_step", f"expected >= 2, got {params['freeze_step']}: DeepSpeed's "
+                              "freeze_step=F gives F - 1 full-precision LAMB updates before compression, and 1-bit "
+                              "LAMB needs at least one to estimate the variance and the trust-ratio coefficients")
+        if name == "OneBitLamb" and params["min_coeff"] > params["max_coeff"]:
+            raise ConfigError(f"{path}.max_coeff", f"max_coeff ({params['max_coeff']}) is below min_coeff "
+                              f"({params['min_coeff']})")
+        if name == "OneBitLamb" and params["factor_min"] > params["factor_max"]:
+            raise ConfigError(f"{path}.factor_max", f"factor_max ({params['factor_max']}) is below factor_min "
+                              f"({params['factor_min']})")
+        for key in ("coeff_beta", "factor_threshold"):
+            if key in params and params[key] >= 1:
+                raise ConfigError(f"{path}.{key}", f"expected a fraction in [0, 1), got {params[key]}")
+
+    return check
 
 
 # Schedulers: canonical name -> (param table, builder(params, base_lr, init_steps)).
@@ -933,6 +981,23 @@ def _build_onebit_adam(params: dict, learning_rate, options: dict) -> optax.Grad
     if params["max_grad_norm"]:
         log.warning("optimizer.params.max_grad_norm: ignored, as DeepSpeed's 1-bit Adam does; use the top-level "
                     "gradient_clipping")
+    mpi_comm = _onebit_comm(params, options)
+    b1, b2 = params["betas"]
+    return onebit_adam(
+        learning_rate,
+        freeze_step=params["freeze_step"] - 1,  # DeepSpeed's first step() only initialises (module docstring)
+        b1=b1, b2=b2, eps=params["eps"], weight_decay=params["weight_decay"],
+        bias_correction=params["bias_correction"],
+        exp_avg_mask=options.get("exp_avg_mask"),
+        fused=options["fused"],
+        axis_name=None if mpi_comm is not None else options.get("axis_name", "data"),
+        mpi_comm=mpi_comm,
+        zero_stage=options["zero_stage"],
+    )
+
+
+def _onebit_comm(params: dict, options: dict):
+    """The mpi4py communicator the 1-bit optimizers should use (``None``: jax collectives over a mesh axis)."""
     mpi_comm = options.get("mpi_comm")
     if params["comm_backend_name"] == "mpi":
         _apply_cuda_aware(params["cuda_aware"])
@@ -949,17 +1014,45 @@ def _build_onebit_adam(params: dict, learning_rate, options: dict) -> optax.Grad
         if mpi_comm is not None:
             raise ValueError("build_optimizer: mpi_comm was given but optimizer.params.comm_backend_name is "
                              f"{params['comm_backend_name']!r}; set it to \"mpi\" or drop mpi_comm")
+    return mpi_comm
+
+
+def _family_common(name: str, params: dict, options: dict) -> dict:
+    """Keyword arguments ZeroOneAdam and OneBitLamb share, with DeepSpeed's ignored params logged."""
+    for key, why in (("eps_inside_sqrt", "eps is added to sqrt(v)"), ("bias_correction", "no bias correction"),
+                     ("max_grad_norm", "use the top-level gradient_clipping")):
+        if params[key]:
+            log.warning("optimizer.params.%s: ignored, as DeepSpeed's %s does (%s)", key, name, why)
+    mpi_comm = _onebit_comm(params, options)
     b1, b2 = params["betas"]
-    return onebit_adam(
+    return dict(b1=b1, b2=b2, eps=params["eps"], weight_decay=params["weight_decay"],
+                exp_avg_mask=options.get("exp_avg_mask"),
+                axis_name=None if mpi_comm is not None else options.get("axis_name", "data"), mpi_comm=mpi_comm)
+
+
+def _build_zero_one_adam(params: dict, learning_rate, options: dict) -> optax.GradientTransformation:
+    from jonebit.transforms.zero_one_adam import zero_one_adam
+
+    return zero_one_adam(
         learning_rate,
-        freeze_step=params["freeze_step"] - 1,  # DeepSpeed's first step() only initialises (module docstring)
-        b1=b1, b2=b2, eps=params["eps"], weight_decay=params["weight_decay"],
-        bias_correction=params["bias_correction"],
-        exp_avg_mask=options.get("exp_avg_mask"),
-        fused=options["fused"],
-        axis_name=None if mpi_comm is not None else options.get("axis_name", "data"),
-        mpi_comm=mpi_comm,
-        zero_stage=options["zero_stage"],
+        # Same number: DeepSpeed freezes once its step counter (one ahead, for the init call) exceeds it.
+        var_freeze_step=params["var_freeze_step"],
+        var_update_scaler=params["var_update_scaler"], local_step_scaler=params["local_step_scaler"],
+        local_step_clipper=params["local_step_clipper"], fused=options["fused"],
+        **_family_common("ZeroOneAdam", params, options),
+    )
+
+
+def _build_onebit_lamb(params: dict, learning_rate, options: dict) -> optax.GradientTransformation:
+    from jonebit.transforms.onebit_lamb import onebit_lamb
+
+    return onebit_lamb(
+        learning_rate,
+        freeze_step=params["freeze_step"] - 1,  # as for OneBitAdam: the first step() only initialises
+        max_coeff=params["max_coeff"], min_coeff=params["min_coeff"], coeff_beta=params["coeff_beta"],
+        factor_max=params["factor_max"], factor_min=params["factor_min"],
+        factor_threshold=params["factor_threshold"],
+        **_family_common("OneBitLamb", params, options),
     )
 
 
@@ -971,8 +1064,10 @@ OPTIMIZERS: Mapping[str, OptimizerSpec] = types.MappingProxyType({
     "lamb": OptimizerSpec("Lamb", _LAMB_PARAMS, _build_lamb),
     "onebitadam": OptimizerSpec("OneBitAdam", _ONEBIT_ADAM_PARAMS, _build_onebit_adam, init_steps=1,
                                 check=_check_onebit_adam, max_grad_norm_clips=False),
-    "zerooneadam": OptimizerSpec("ZeroOneAdam", {}, None, unavailable="0/1 Adam is a separate, open issue"),
-    "onebitlamb": OptimizerSpec("OneBitLamb", {}, None, unavailable="1-bit LAMB is a separate, open issue"),
+    "zerooneadam": OptimizerSpec("ZeroOneAdam", _ZERO_ONE_ADAM_PARAMS, _build_zero_one_adam, init_steps=1,
+                                 check=_check_onebit_family("ZeroOneAdam"), max_grad_norm_clips=False),
+    "onebitlamb": OptimizerSpec("OneBitLamb", _ONEBIT_LAMB_PARAMS, _build_onebit_lamb, init_steps=1,
+                                check=_check_onebit_family("OneBitLamb"), max_grad_norm_clips=False),
 })
 
 
@@ -1058,6 +1153,12 @@ def describe(config: DeepSpeedConfig, dp_size: int, *, steps=None) -> str:
         backend = "MPI (mpi4jax)" if opt.params["comm_backend_name"] == "mpi" else "jax collectives"
         lines.append(f"  -> jonebit.onebit_adam(freeze_step={f - 1}): {f - 1} Adam updates, then 1-bit compression; "
                      f"collectives: {backend}")
+    if opt.type == "ZeroOneAdam":
+        lines.append(f"  -> jonebit.zero_one_adam(var_freeze_step={opt.params['var_freeze_step']}): variance frozen "
+                     "after that many updates, then local steps with 1-bit synchronisation")
+    if opt.type == "OneBitLamb":
+        f = opt.params["freeze_step"]
+        lines.append(f"  -> jonebit.onebit_lamb(freeze_step={f - 1}): {f - 1} LAMB updates, then 1-bit compression")
     sched = build_schedule(config.scheduler, opt)
     name = config.scheduler.type if config.scheduler else "constant"
     lines.append(f"schedule: {name}" + (" " + ", ".join(f"{k}={v}" for k, v in config.scheduler.params.items())
@@ -1065,7 +1166,7 @@ def describe(config: DeepSpeedConfig, dp_size: int, *, steps=None) -> str:
     if steps is None:
         steps = [0, 1, 2, 10, 100, 1000, 10000, 100000]
     lines.append("  (update 0 is the optimizer's first update" + (
-        "; DeepSpeed's initialisation step of 1-bit Adam is accounted for)" if opt.spec.init_steps else ")"))
+        "; DeepSpeed's initialisation step of the 1-bit optimizer is accounted for)" if opt.spec.init_steps else ")"))
     for s in steps:
         lr = sched(s) if callable(sched) else sched
         lines.append(f"  update {s:>7d}: lr {float(lr):.6g}")

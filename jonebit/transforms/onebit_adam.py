@@ -56,7 +56,7 @@ from jonebit.comm.compressed import (
     decode_segments,
     padded_size,
 )
-from jonebit.sharding.zero import register_per_rank_state
+from jonebit.sharding.zero import _per_rank_rule, register_per_rank_state
 from jonebit.transforms.onebit_zero import (
     ZERO_STAGES,
     FlatLayout,
@@ -633,7 +633,9 @@ def state_specs(opt_state, axis_name: str = "data"):
     """``PartitionSpec`` tree that carries an optimizer state in and out of ``shard_map`` as global arrays.
 
     Error buffers of every :class:`OneBitAdamState` in the tree get ``P(axis_name)`` (one row per rank on the
-    leading axis); everything else, here and in other transforms of an ``optax.chain``, is replicated ``P()``.
+    leading axis); states registered with :func:`jonebit.sharding.zero.register_per_rank_state` (0/1 Adam, 1-bit
+    LAMB) get their rule's specs; everything else, here and in other transforms of an ``optax.chain``, is
+    replicated ``P()``.
     Works on arrays and ``jax.ShapeDtypeStruct`` trees alike.
     """
 
@@ -647,6 +649,10 @@ def state_specs(opt_state, axis_name: str = "data"):
                 count=P(), mu=rep(node.mu), nu=rep(node.nu),
                 worker_error=rows(node.worker_error), server_error=rows(node.server_error), skipped=P(),
             )
+        rule = _per_rank_rule(node)  # other transforms with per-rank buffers (the 1-bit family)
+        if rule is not None:
+            return jax.tree.map(lambda s: P() if s is None else s, rule(node, axis_name),
+                                is_leaf=lambda s: s is None or isinstance(s, P))
         if not hasattr(node, "shape") or isinstance(node, P):
             raise TypeError(
                 f"state_specs: expected an optimizer state (arrays or jax.ShapeDtypeStruct leaves, e.g. from "
@@ -658,7 +664,10 @@ def state_specs(opt_state, axis_name: str = "data"):
         raise TypeError(f"state_specs: axis_name must be a mesh axis name (str), got {axis_name!r}")
     if isinstance(opt_state, optax.GradientTransformation):
         raise TypeError("state_specs: got an optax.GradientTransformation; pass its state (tx.init(params)) instead")
-    return jax.tree.map(spec, opt_state, is_leaf=lambda x: is_onebit_state(x) or isinstance(x, P))
+    def is_leaf(x):
+        return is_onebit_state(x) or _per_rank_rule(x) is not None or isinstance(x, P)
+
+    return jax.tree.map(spec, opt_state, is_leaf=is_leaf)
 
 
 def sharded_init(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh, axis_name: str = "data"):

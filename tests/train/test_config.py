@@ -6,7 +6,9 @@
 * batch sizes: any two give the third for a data-parallel size, inconsistent ones are refused;
 * optimizers against independent references: AdamW/Adam-L2 against optax, Adam without bias correction
   (with clipping and a WarmupLR schedule) and LAMB's clamped trust ratio against numpy, 1-bit Adam from a config
-  against a directly built ``onebit_adam(freeze_step=F - 1)`` inside ``shard_map`` on 8 devices;
+  against a directly built ``onebit_adam(freeze_step=F - 1)`` inside ``shard_map`` on 8 devices, likewise
+  ZeroOneAdam (``var_freeze_step`` unchanged, params per rank) and OneBitLamb (``freeze_step=F - 1``), each with
+  an off-by-one variant that must differ;
 * ``comm_backend_name: "mpi"`` builds the MPI path (subprocess, skipped without mpi4py/mpi4jax);
 * the CLI prints the resolved config (exit 0) or the error (exit 2).
 """
@@ -34,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 import jonebit
 from jonebit.cli import main as cli_main
 from jonebit.comm.compressed import padded_size
-from jonebit.train.config import ConfigError, build_optimizer, build_schedule, load_config
+from jonebit.train.config import ConfigError, build_optimizer, build_schedule, describe, load_config
 from jonebit.train.data_parallel import data_mesh, init_optimizer, replicate, shard_batch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -101,6 +103,8 @@ TUTORIAL_CONFIGS = {
 BASE = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
 ONEBIT = {"train_batch_size": 32, "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 10}}}
+ZERO_ONE = {"train_batch_size": 32, "optimizer": {"type": "ZeroOneAdam", "params": {"lr": 1e-3}}}
+LAMB1 = {"train_batch_size": 32, "optimizer": {"type": "OnebitLamb", "params": {"lr": 1e-3, "freeze_step": 10}}}
 
 
 def edit(base, path, value):
@@ -171,8 +175,20 @@ BAD = [
     (edit(BASE, "bf16", {"enabled": True}) | {"fp16": {"enabled": True, "loss_scale": 128}}, "bf16.enabled",
      r"fp16 and bf16 are both enabled; enable at most one"),
     (edit(BASE, "bfloat16", {"enabled": True}) | {"bf16": {"enabled": True}}, "bfloat16", r"not both"),
-    (edit(BASE, "optimizer.type", "ZeroOneAdam"), "optimizer.type", r"not available in jonebit yet \(0/1 Adam"),
-    (edit(BASE, "optimizer.type", "onebitlamb"), "optimizer.type", r"not available in jonebit yet \(1-bit LAMB"),
+    (edit(ZERO_ONE, "zero_optimization", {"stage": 1}), "zero_optimization.stage",
+     r"ZeroOneAdam runs at ZeRO stage 0 only.*got stage 1"),
+    (edit(LAMB1, "zero_optimization", {"stage": 3}), "zero_optimization.stage", r"OneBitLamb runs at ZeRO stage 0"),
+    (edit(ZERO_ONE, "optimizer.params.var_freeze_step", 0), "optimizer.params.var_freeze_step", r">= 1, got 0"),
+    (edit(ZERO_ONE, "optimizer.params.local_step_clipper", 0), "optimizer.params.local_step_clipper", r">= 1"),
+    (edit(LAMB1, "optimizer.params.freeze_step", 1), "optimizer.params.freeze_step",
+     r"expected >= 2, got 1: DeepSpeed's freeze_step=F gives F - 1 full-precision LAMB updates"),
+    (edit(LAMB1, "optimizer.params.min_coeff", 20.0), "optimizer.params.max_coeff",
+     r"max_coeff \(10\.0\) is below min_coeff \(20\.0\)"),
+    (edit(LAMB1, "optimizer.params.factor_min", 5.0), "optimizer.params.factor_max", r"below factor_min"),
+    (edit(LAMB1, "optimizer.params.coeff_beta", 1.0), "optimizer.params.coeff_beta", r"fraction in \[0, 1\)"),
+    (edit(LAMB1, "optimizer.params.amsgrad", True), "optimizer.params.amsgrad", r"OneBitLamb does not support"),
+    (edit(ZERO_ONE, "optimizer.params.freeze_step", 10), "optimizer.params.freeze_step",
+     r"Did you mean 'var_freeze_step'"),
     (edit(BASE, "optimizer.params.amsgrad", True), "optimizer.params.amsgrad", r"Adam does not support AMSGrad"),
     (edit(ONEBIT, "optimizer.params.freeze_step", 1), "optimizer.params.freeze_step",
      r"expected >= 2, got 1: DeepSpeed's freeze_step=F gives F - 1"),
@@ -476,6 +492,84 @@ def test_onebit_adam_options():
         build_optimizer(load_config(ONEBIT), mpi_comm=object())
     with pytest.raises(ConfigError, match=r"optimizer: the config has no optimizer section"):
         build_optimizer(load_config({"train_batch_size": 8}))
+
+
+def run_per_rank(tx, params, grads_per_rank):
+    """Like :func:`run_sharded` with the params carried per rank (0/1 Adam's local steps move them apart)."""
+    from tests.transforms.family_util import per_rank_stepper
+
+    mesh = data_mesh()
+    state, specs = jonebit.sharded_init(tx, params, mesh)
+    step = per_rank_stepper(tx, mesh, specs)
+    p = shard_batch({k: np.stack([v] * N_DEV) for k, v in params.items()}, mesh)
+    for g in grads_per_rank:
+        p, state = step(p, state, shard_batch(g, mesh))
+    return jax.tree.map(np.asarray, p), state
+
+
+def test_zero_one_adam_from_config_equals_direct_zero_one_adam():
+    """var_freeze_step passes unchanged (DeepSpeed's strict > cancels its init step); WarmupLR shifted by one."""
+    cfg = {
+        "train_batch_size": 8 * N_DEV,
+        "optimizer": {"type": "ZeroOneAdam", "params": {
+            "lr": 1e-2, "weight_decay": 0.01, "betas": [0.85, 0.99], "var_freeze_step": 4, "var_update_scaler": 2,
+            "local_step_scaler": 2, "local_step_clipper": 2, "cuda_aware": False, "comm_backend_name": "nccl"}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
+                                                     "warmup_num_steps": 4, "warmup_type": "linear"}},
+        "fp16": {"enabled": True},
+    }
+    config = load_config(cfg)
+    assert "jonebit.zero_one_adam(var_freeze_step=4)" in describe(config, N_DEV)
+    rng = np.random.default_rng(4)
+    params = {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
+    grads = [{k: rng.normal(size=(N_DEV, *s)).astype(np.float32) for k, s in SHAPES.items()} for _ in range(9)]
+    lrs = jnp.asarray([warmup_linear_ref(c, 1e-3, 1e-2, 4) for c in range(10)], jnp.float32)
+
+    def direct(var_freeze_step):
+        return jonebit.zero_one_adam(lambda count: lrs[count], var_freeze_step=var_freeze_step, b1=0.85, b2=0.99,
+                                     weight_decay=0.01, var_update_scaler=2, local_step_scaler=2,
+                                     local_step_clipper=2, fused=True)
+
+    got, state = run_per_rank(build_optimizer(config), params, grads)
+    want, _ = run_per_rank(direct(4), params, grads)
+    assert_trees_close(got, want, rtol=1e-6, atol=1e-7)
+    assert int(state.count) == 9 and int(state.local_step_interval) == 2
+    off_by_one, _ = run_per_rank(direct(3), params, grads)
+    assert not np.allclose(got["w"], off_by_one["w"], rtol=1e-5, atol=1e-6)
+
+
+def test_onebit_lamb_from_config_equals_direct_onebit_lamb(caplog):
+    """DeepSpeed freeze_step=3 -> onebit_lamb(freeze_step=2); DeepSpeed's ignored params only warn."""
+    cfg = {
+        "train_batch_size": 8 * N_DEV,
+        "optimizer": {"type": "OnebitLamb", "params": {
+            "lr": 1e-2, "freeze_step": 3, "weight_decay": 0.01, "max_coeff": 0.3, "min_coeff": 0.01,
+            "coeff_beta": 0.5, "factor_max": 4.0, "factor_min": 0.5, "factor_threshold": 0.1,
+            "bias_correction": True, "max_grad_norm": 1.0}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-3, "warmup_max_lr": 1e-2,
+                                                     "warmup_num_steps": 4, "warmup_type": "linear"}},
+    }
+    config = load_config(cfg)
+    assert config.optimizer.type == "OneBitLamb"
+    assert "jonebit.onebit_lamb(freeze_step=2)" in describe(config, N_DEV)
+    rng = np.random.default_rng(5)
+    params = {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
+    grads = [{k: rng.normal(size=(N_DEV, *s)).astype(np.float32) for k, s in SHAPES.items()} for _ in range(6)]
+    lrs = jnp.asarray([warmup_linear_ref(c, 1e-3, 1e-2, 4) for c in range(8)], jnp.float32)
+
+    def direct(freeze_step):
+        return jonebit.onebit_lamb(lambda count: lrs[count], freeze_step=freeze_step, weight_decay=0.01,
+                                   max_coeff=0.3, coeff_beta=0.5)
+
+    with caplog.at_level(logging.WARNING, logger="jonebit.train.config"):
+        tx = build_optimizer(config)
+    assert "bias_correction: ignored" in caplog.text and "max_grad_norm: ignored" in caplog.text
+    got, state = run_sharded(tx, params, grads)
+    want, _ = run_sharded(direct(2), params, grads)
+    assert_trees_close(got, want, rtol=1e-6, atol=1e-7)
+    assert int(state.count) == 6
+    off_by_one, _ = run_sharded(direct(3), params, grads)
+    assert not np.allclose(got["w"], off_by_one["w"], rtol=1e-5, atol=1e-6)
 
 
 def test_build_schedule_uses_the_optimizer_lr_and_offset():

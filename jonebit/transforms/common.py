@@ -1,0 +1,275 @@
+"""Pieces shared by the 1-bit family (0/1 Adam, 1-bit LAMB): argument checks, error buffers, compressed means.
+
+Each optimizer module composes these so that it reads as its own math: the error-compensated compressed
+allreduce of a pytree (one fused buffer or one buffer per leaf), the per-rank error buffers it needs, the
+refusal of already-reduced gradients, and the validation of hyperparameters, trees and masks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jonebit.comm.backends import AxisBackend, Backend, as_varying, varying_axes
+from jonebit.comm.compressed import (
+    compressed_allreduce_rows,
+    compressed_allreduce_rows_many,
+    decode_segments,
+    padded_size,
+)
+
+ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
+
+
+def is_number(x) -> bool:
+    return isinstance(x, int | float | np.number) and not isinstance(x, bool)
+
+
+def check_int(name: str, value, *, minimum: int, who: str, hint: str = "") -> int:
+    """``value`` as a Python int ``>= minimum``; a clear TypeError/ValueError naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{who}: {name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{who}: {name} must be >= {minimum}, got {value}{hint}")
+    return int(value)
+
+
+def check_betas_eps(who: str, **values) -> None:
+    """b1/b2 in [0, 1), eps > 0; values that are arrays (optax.inject_hyperparams) are not checked."""
+    for name in ("b1", "b2", "coeff_beta"):
+        v = values.get(name)
+        if v is not None and is_number(v) and not 0.0 <= v < 1.0:
+            raise ValueError(f"{who}: {name} must be in [0, 1), got {v}")
+    eps = values.get("eps")
+    if eps is not None and is_number(eps) and eps <= 0:
+        raise ValueError(f"{who}: eps must be > 0, got {eps}")
+    wd = values.get("weight_decay")
+    if wd is not None and is_number(wd) and wd < 0:
+        raise ValueError(f"{who}: weight_decay must be >= 0, got {wd}")
+
+
+def check_float_leaves(tree, what: str, who: str) -> None:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(
+                f"{who}: {what} leaf {jax.tree_util.keystr(path)} has dtype {dtype}; only floating-point "
+                "leaves can be optimised (keep integer buffers out of the optimised tree, e.g. with optax.masked)"
+            )
+
+
+def check_mask(mask, params, who: str) -> None:
+    """``exp_avg_mask`` must mirror the params: same tree, same leaf shapes."""
+    m_struct, p_struct = jax.tree.structure(mask), jax.tree.structure(params)
+    if m_struct != p_struct:
+        raise ValueError(
+            f"{who}: exp_avg_mask must have the same tree structure as the params.\n"
+            f"  mask:   {m_struct}\n  params: {p_struct}"
+        )
+    for (path, p), m in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(mask), strict=True):
+        if tuple(np.shape(m)) != tuple(p.shape):
+            raise ValueError(
+                f"{who}: exp_avg_mask leaf {jax.tree_util.keystr(path)} has shape {tuple(np.shape(m))}, the param "
+                f"has {tuple(p.shape)}"
+            )
+
+
+def check_local_grads(grads, backend: Backend, who: str) -> None:
+    """Refuses gradients typed as identical on all ranks (already all-reduced by autodiff)."""
+    if not isinstance(backend, AxisBackend) or not _vma_checked():
+        return
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        if backend.axis_name not in varying_axes(g):
+            raise ValueError(
+                f"{who}: gradient {jax.tree_util.keystr(path)} is invariant over axis {backend.axis_name!r}, i.e. "
+                "already all-reduced. The 1-bit optimizers need each rank's local gradient: inside shard_map, cast "
+                f"replicated params with jax.lax.pcast(params, {backend.axis_name!r}, to='varying') before jax.grad "
+                "(otherwise autodiff inserts a full-precision psum)."
+            )
+
+
+def _vma_checked() -> bool:
+    try:
+        from jax._src import config as jax_config
+
+        return bool(jax_config._check_vma.value)
+    except (ImportError, AttributeError):  # pragma: no cover - older/newer jax internals
+        return False
+
+
+def check_replicated_params(params, backend: Backend, who: str) -> None:
+    """Refuses params typed as differing per rank where the optimizer keeps them (and its state) replicated."""
+    if not isinstance(backend, AxisBackend) or not _vma_checked():
+        return
+    for path, p in jax.tree_util.tree_leaves_with_path(params):
+        if backend.axis_name in varying_axes(p):
+            raise ValueError(
+                f"{who}: param {jax.tree_util.keystr(path)} varies over axis {backend.axis_name!r}, but this optimizer "
+                "keeps the params identical on all ranks (its per-tensor coefficients are replicated state). Pass the "
+                f"replicated params (in_specs P()) to update; cast only the copy you differentiate with "
+                f"jax.lax.pcast(params, {backend.axis_name!r}, to='varying')."
+            )
+
+
+def check_per_rank_params(params, backend: Backend, who: str) -> None:
+    """Refuses params typed as identical on all ranks where the optimizer moves each rank's params on its own."""
+    if params is None or not isinstance(backend, AxisBackend) or not _vma_checked():
+        return
+    for path, p in jax.tree_util.tree_leaves_with_path(params):
+        if backend.axis_name not in varying_axes(p):
+            raise ValueError(
+                f"{who}: param {jax.tree_util.keystr(path)} is replicated over axis {backend.axis_name!r}, but this "
+                "optimizer's local steps move each rank's params on their own. Carry the params per rank: a leading "
+                f"rank axis with in_specs/out_specs P({backend.axis_name!r}), and pass this rank's copy (x[0]) to "
+                "update (see the zero_one_adam docstring)."
+            )
+
+
+def num_elements(params) -> int:
+    return sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+
+
+def error_buffers(params, world_size: int, fused: bool):
+    """Zero ``(worker_error, server_error)`` with a leading axis of 1 (one row per rank in the global view).
+
+    ``fused``: one pair for the flattened tree; otherwise one pair per leaf, as a tree like ``params``.
+    """
+
+    def worker(p):
+        return jnp.zeros((1, padded_size(max(int(np.prod(p.shape)), 1), world_size)), jnp.float32)
+
+    def server(p):
+        return jnp.zeros((1, padded_size(max(int(np.prod(p.shape)), 1), world_size) // world_size), jnp.float32)
+
+    if fused:
+        n = num_elements(params)
+        whole = jax.ShapeDtypeStruct((n,), jnp.float32)
+        return worker(whole), server(whole)
+    return jax.tree.map(worker, params), jax.tree.map(server, params)
+
+
+def per_rank(tree, backend: Backend):
+    """Types every leaf as varying over the data axis (buffers that differ per rank; a no-op outside shard_map)."""
+    if not isinstance(backend, AxisBackend):
+        return tree
+    return jax.tree.map(lambda x: as_varying(x, backend.axis_name), tree)
+
+
+def flatten(tree) -> jax.Array:
+    return jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in jax.tree.leaves(tree)])
+
+
+def compressed_mean_flat(backend: Backend, x, worker_error, server_error, sizes):
+    """Compressed allreduce of one flat buffer; returns (pieces of the given sizes, new errors (1, ...))."""
+    rows, we, se = compressed_allreduce_rows(backend, x, worker_error[0], server_error[0])
+    return decode_segments(rows, sizes), we[None], se[None]
+
+
+def compressed_mean(backend: Backend, tree, worker_error, server_error, *, fused: bool):
+    """Error-compensated 1-bit average over ranks of a float32 pytree.
+
+    ``fused``: the flattened tree is one buffer (one worker scale); otherwise every leaf is its own buffer (own
+    scales, errors and padding), all leaves sharing the two collectives. Errors have a leading axis of 1.
+
+    Returns ``(mean_tree, new_worker_error, new_server_error)``; the mean is identical on all ranks.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    if fused:
+        parts, we, se = compressed_mean_flat(backend, flatten(tree), worker_error, server_error,
+                                             [x.size for x in leaves])
+        return treedef.unflatten([p.reshape(x.shape) for p, x in zip(parts, leaves, strict=True)]), we, se
+    wes, ses = treedef.flatten_up_to(worker_error), treedef.flatten_up_to(server_error)
+    rows, wes, ses = compressed_allreduce_rows_many(
+        backend, [jnp.ravel(x) for x in leaves], [we[0] for we in wes], [se[0] for se in ses])
+    out = [decode_segments(r, [x.size])[0].reshape(x.shape) for r, x in zip(rows, leaves, strict=True)]
+    return (treedef.unflatten(out), treedef.unflatten([we[None] for we in wes]),
+            treedef.unflatten([se[None] for se in ses]))
+
+
+def apply_mask(tree, mask):
+    if mask is None:
+        return tree
+    return jax.tree.map(lambda m, k: m * jnp.asarray(k, jnp.float32), tree, mask)
+
+
+def learning_rate_at(learning_rate: ScalarOrSchedule, count) -> Any:
+    return learning_rate(count) if callable(learning_rate) else learning_rate
+
+
+class AutoFreeze(NamedTuple):
+    """The rule that picks the freeze point when ``freeze_step="auto"``.
+
+    Every ``check_every`` warmup updates, each tensor's variance norm ``||v_i||`` is compared with its value at the
+    previous check; the check is *calm* when ``max_i |Δ||v_i||| / ||v_i||_prev < threshold``. Compression starts
+    after the update on which ``patience`` consecutive checks were calm, but not before ``min_step`` updates, and
+    at the latest after ``max_step`` updates. ``v`` is identical on all ranks, so every rank decides the same.
+
+    Attributes:
+      min_step: fewest warmup updates (keep ``>= 1 / (1 - coeff_beta)`` for LAMB's coefficient EMA).
+      max_step: most warmup updates (the hard cap).
+      check_every: updates between checks.
+      threshold: largest relative change of a tensor's variance norm that counts as calm.
+      patience: consecutive calm checks needed.
+    """
+
+    min_step: int = 100
+    max_step: int = 100000
+    check_every: int = 50
+    threshold: float = 0.05
+    patience: int = 3
+
+    def checked(self, who: str) -> AutoFreeze:
+        for name in ("min_step", "max_step", "check_every", "patience"):
+            check_int(f"auto_freeze.{name}", getattr(self, name), minimum=1, who=who)
+        if self.max_step < self.min_step:
+            raise ValueError(f"{who}: auto_freeze.max_step ({self.max_step}) must be >= min_step ({self.min_step})")
+        if not (is_number(self.threshold) and self.threshold > 0):
+            raise ValueError(f"{who}: auto_freeze.threshold must be a number > 0, got {self.threshold!r}")
+        return self
+
+
+def variance_norms(nu):
+    """Per-tensor ``||v||`` (float32 scalars, a tree like ``nu``)."""
+    return jax.tree.map(lambda v: jnp.sqrt(jnp.sum(v * v)), nu)
+
+
+def auto_freeze_step(rule: AutoFreeze, count, nu, reference, calm_checks, freeze_at, backend: Backend | None = None):
+    """One warmup update's freeze decision: ``(freeze_at, reference, calm_checks)`` after update ``count`` (0-based).
+
+    ``freeze_at`` becomes ``count + 1`` (this was the last warmup update) when the rule fires; otherwise it keeps its
+    value (initially ``rule.max_step``, the cap). ``reference`` holds the variance norms of the last check.
+    """
+    done = count + 1
+    is_check = done % rule.check_every == 0
+    norms = variance_norms(nu)
+    change = [jnp.abs(n - r) / jnp.where(r > 0, r, 1.0) + jnp.where((r == 0) & (n > 0), jnp.inf, 0.0)
+              for n, r in zip(jax.tree.leaves(norms), jax.tree.leaves(reference), strict=True)]
+    calm = jnp.max(jnp.stack(change)) < rule.threshold
+    # The first check has nothing to compare with: it only records the reference.
+    first = done == rule.check_every
+    calm_checks = jnp.where(is_check, jnp.where(calm & ~first, calm_checks + 1, 0), calm_checks)
+    reference = jax.tree.map(lambda n, r: jnp.where(is_check, n, r), norms, reference)
+    fire = (is_check & (calm_checks >= rule.patience) & (done >= rule.min_step)) | (done >= rule.max_step)
+    new_freeze_at = jnp.where(fire & (freeze_at > done), done, freeze_at)
+    if backend is not None:
+        _log_freeze(new_freeze_at != freeze_at, done, backend)
+    return new_freeze_at, reference, calm_checks
+
+
+def _log_freeze(fired, done, backend: Backend) -> None:
+    """Logs the automatic freeze point once (rank 0 of a mesh axis; every MPI process logs its own)."""
+    import logging
+
+    rank = jax.lax.axis_index(backend.axis_name) if isinstance(backend, AxisBackend) else jnp.zeros([], jnp.int32)
+
+    def emit(fired, done, rank):
+        if bool(fired) and int(rank) == 0:
+            logging.getLogger("jonebit.transforms").info(
+                "freeze_step='auto': variance settled, compression starts after update %d", int(done))
+
+    # Only the update that fires pays for the host callback.
+    jax.lax.cond(fired, lambda: jax.debug.callback(emit, fired, done, rank), lambda: None)

@@ -1,0 +1,42 @@
+"""MPI rank program: 0/1 Adam and 1-bit LAMB with ``mpi_comm`` on fixed local gradients; saves rank{r}.npz."""
+
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+from jonebit.comm import MPIBackend  # noqa: E402
+from tests.transforms.mpi_family_cases import CASES, STEPS, build, grads, params0  # noqa: E402
+
+
+def main(outdir: str) -> None:
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    g = grads(world)
+    results = {}
+    for name in CASES:
+        tx = build(name, mpi_comm=MPIBackend(comm, mean="ordered"))
+        params = jax.tree.map(np.asarray, params0())
+        state = jax.jit(tx.init)(params)
+
+        @jax.jit
+        def step(params, state, grads, tx=tx):
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        for t in range(STEPS):
+            params, state = step(params, state, g[t][rank])
+        for k, v in params.items():
+            results[f"{name}/params/{k}"] = np.asarray(v)
+        for path, v in jax.tree_util.tree_leaves_with_path(state):
+            results[f"{name}/state{jax.tree_util.keystr(path)}"] = np.asarray(v)
+    np.savez(os.path.join(outdir, f"rank{rank}.npz"), **results)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
