@@ -105,13 +105,17 @@ class NumpyOneBitAdamFull(NumpyOneBitAdam):
     ``bias_correction`` the update is ``(m / (1 - b1^t)) / (sqrt(v / (1 - b2^min(t, freeze_step))) + eps)`` for the
     t-th update (1-based): the variance's correction stops where the variance stops. ``clip_norm`` scales each
     rank's local gradient by ``min(1, clip_norm / ||g||)`` first (``optax.clip_by_global_norm`` chained before the
-    optimizer inside ``shard_map`` sees only its own rank's gradient).
+    optimizer inside ``shard_map`` sees only its own rank's gradient). With ``clip_averaged_warmup`` the warmup
+    clips the gradient averaged over ranks instead (DeepSpeed's engine clips after its allreduce there); the
+    compression stage still clips each rank's own gradient.
     """
 
-    def __init__(self, params, p, *, freeze_step, schedule=None, bias_correction=False, clip_norm=None, **kwargs):
+    def __init__(self, params, p, *, freeze_step, schedule=None, bias_correction=False, clip_norm=None,
+                 clip_averaged_warmup=False, **kwargs):
         super().__init__(params, p, freeze_step=freeze_step, **kwargs)
         self.schedule = schedule if schedule is not None else (lambda count: kwargs["lr"])
         self.bias_correction, self.clip_norm = bias_correction, clip_norm
+        self.clip_averaged_warmup = clip_averaged_warmup
 
     def clip(self, grads):
         norm = np.sqrt(sum(np.sum(grads[k].astype(np.float64) ** 2) for k in self.keys))
@@ -123,7 +127,12 @@ class NumpyOneBitAdamFull(NumpyOneBitAdam):
         return 1.0 - self.b2 ** min(t, self.freeze)
 
     def step(self, local_grads):
-        if self.clip_norm is not None:
+        if self.clip_norm is not None and self.clip_averaged_warmup and self.count < self.freeze:
+            # Every rank holds the clipped mean: the base class's warmup average of P copies is that mean.
+            mean = {k: (sum(g[k].astype(np.float64) for g in local_grads) / self.p).astype(np.float32)
+                    for k in self.keys}
+            local_grads = [self.clip(mean)] * self.p
+        elif self.clip_norm is not None:
             local_grads = [self.clip(g) for g in local_grads]
         count, lr, before = self.count, self.lr, dict(self.params)
         # The moments, error buffers and count move as in the base class; a zero learning rate leaves the params.

@@ -990,6 +990,7 @@ def _build_onebit_adam(params: dict, learning_rate, options: dict) -> optax.Grad
         bias_correction=params["bias_correction"],
         exp_avg_mask=options.get("exp_avg_mask"),
         fused=options["fused"],
+        max_grad_norm=options.get("max_grad_norm"),
         axis_name=None if mpi_comm is not None else options.get("axis_name", "data"),
         mpi_comm=mpi_comm,
         zero_stage=options["zero_stage"],
@@ -1093,10 +1094,11 @@ def build_optimizer(
         (its fp16 optimizer flattens the parameters) and ``False`` otherwise (one compression per tensor).
       zero_stage: 1-bit Adam's ZeRO stage (default ``zero_optimization.stage``). Other optimizers are
         partitioned by the step builder (:func:`jonebit.train.zero.init_zero`), not here.
-      clip: put ``optax.clip_by_global_norm(gradient_clipping)`` first when ``gradient_clipping > 0`` (also an
-        Adam/Lamb ``max_grad_norm``; the smaller bound wins). In front of a 1-bit optimizer it sees each rank's
-        local gradient, as DeepSpeed clips in its compression stage; a training step that clips the averaged
-        gradient during warmup builds with ``clip=False`` and clips itself.
+      clip: apply ``gradient_clipping`` when it is > 0 (also an Adam/Lamb ``max_grad_norm``; the smaller bound
+        wins): ``optax.clip_by_global_norm`` first in the chain; for 1-bit Adam at ZeRO stage 0 its
+        ``max_grad_norm``, which clips the averaged gradient during warmup and each rank's local gradient in the
+        compression stage, where DeepSpeed's engine clips. In front of the other 1-bit optimizers (and 1-bit Adam
+        under ZeRO) the chained clip sees each rank's local gradient in both stages.
 
     Returns:
       ``optax.GradientTransformation``; for 1-bit Adam its ``update`` expects this rank's local gradient.
@@ -1115,11 +1117,15 @@ def build_optimizer(
         "fused": config.fp16.enabled if fused is None else fused,
         "zero_stage": config.zero_optimization.stage if zero_stage is None else zero_stage,
     }
+    # 1-bit Adam at stage 0 clips inside: the averaged gradient in warmup, the local one after (DeepSpeed's places).
+    inner_clip = clip and spec.name == "OneBitAdam" and options["zero_stage"] == 0 and config.gradient_clipping > 0
+    if inner_clip:
+        options["max_grad_norm"] = config.gradient_clipping
     learning_rate = build_schedule(config.scheduler, opt, init_steps=spec.init_steps)
     tx = spec.build(params, learning_rate, options)
     max_grad_norm = params.get("max_grad_norm", 0.0) if spec.max_grad_norm_clips else 0.0
     bounds = [b for b in (config.gradient_clipping, max_grad_norm) if b > 0]
-    if clip and bounds:
+    if clip and bounds and not inner_clip:
         tx = optax.chain(optax.clip_by_global_norm(min(bounds)), tx)
     return tx
 

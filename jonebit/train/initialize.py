@@ -10,9 +10,10 @@ optimizer state in host memory; 1-bit Adam is built for the stage and keeps its 
 ``steps_per_print``. What the engine does per step is described in :mod:`jonebit.train.engine`;
 the loop (checkpoints, metrics, resume) in :mod:`jonebit.train.loop`.
 
-Gradient clipping (``gradient_clipping``) is applied to the gradient the optimizer receives: with standard
-optimizers the gradient averaged over ranks; with 1-bit Adam each rank's local gradient (DeepSpeed's behaviour in
-its compression stage, where no averaged gradient exists).
+Gradient clipping (``gradient_clipping``) is applied where DeepSpeed applies it: with standard optimizers to the
+gradient averaged over ranks; with 1-bit Adam (ZeRO stage 0) to the averaged gradient during warmup and to each
+rank's local gradient in the compression stage, where no averaged gradient exists. 0/1 Adam, 1-bit LAMB and
+1-bit Adam under ZeRO stages 1-3 clip each rank's local gradient in both stages.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from jonebit.sharding.mesh import data_mesh
+from jonebit.sharding.zero import _per_rank_rule
 from jonebit.train.config import BatchSizes, ConfigError, DeepSpeedConfig, build_optimizer, build_schedule, load_config
 from jonebit.train.engine import LossScaling, TrainState, init_train_state, make_train_step
 from jonebit.train.loop import LoopConfig, ResumableIterator, train
@@ -34,7 +36,12 @@ from jonebit.transforms.onebit_adam import is_onebit_state
 
 __all__ = ["Engine", "initialize", "loss_scaling_from_config"]
 
-_ONEBIT = ("OneBitAdam",)
+_ONEBIT = ("OneBitAdam", "OneBitLamb", "ZeroOneAdam")
+
+
+def _is_local_gradient_state(node) -> bool:
+    """A state whose transform takes each rank's local gradient and communicates itself (the 1-bit family)."""
+    return is_onebit_state(node) or _per_rank_rule(node) is not None
 
 
 def loss_scaling_from_config(config: DeepSpeedConfig) -> LossScaling | None:
@@ -120,6 +127,13 @@ def initialize(
     dp = int(mesh.shape[axis])
     batch = config.batch_sizes(dp)
     opt = config.optimizer
+    if opt is not None and opt.type == "ZeroOneAdam" and tx is None:
+        raise ConfigError(
+            "optimizer.type",
+            "ZeroOneAdam keeps different parameters on every rank during its local steps, and the engine holds one "
+            "replicated copy; train 0/1 Adam with jonebit.zero_one_adam in a shard_map step whose params carry a "
+            "rank axis (see its docstring), or use OneBitAdam / OneBitLamb here",
+        )
     if opt is not None and opt.type in _ONEBIT and opt.params.get("comm_backend_name") == "mpi":
         raise ConfigError(
             "optimizer.params.comm_backend_name",
@@ -145,9 +159,10 @@ def initialize(
             raise ConfigError("zero_optimization.stage", str(e)) from e
         raise
     # A 1-bit optimizer (from the config or given) does its own communication on local gradients.
-    onebit = any(is_onebit_state(n) for n in jax.tree.leaves(state.opt_state, is_leaf=is_onebit_state))
+    onebit = any(_is_local_gradient_state(n)
+                 for n in jax.tree.leaves(state.opt_state, is_leaf=_is_local_gradient_state))
     freeze_step = None
-    if onebit and opt is not None and opt.type in _ONEBIT:
+    if onebit and opt is not None and opt.type in _ONEBIT and "freeze_step" in opt.params:
         freeze_step = int(opt.params["freeze_step"]) - 1
     step = make_train_step(
         loss_fn, tx, mesh, specs, accumulation_steps=batch.gradient_accumulation_steps, compute_dtype=compute,

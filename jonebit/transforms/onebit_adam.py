@@ -343,8 +343,9 @@ def onebit_adam(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     exp_avg_mask: Any = None,
-    bias_correction: bool = False,
-    fused: bool = True,
+    bias_correction: bool = True,
+    fused: bool = False,
+    max_grad_norm: float | None = None,
     axis_name: str | None = "data",
     mpi_comm: Any = None,
     error_feedback: bool = True,
@@ -379,10 +380,17 @@ def onebit_adam(
         allreduce (e.g. to keep BERT's unused position embeddings at exactly zero). A leaf is None (no mask) or
         a bool or 0/1 array with the param's rank whose dimensions are the param's or 1 (``(rows, 1)`` masks
         rows), so the mask need not be as large as the params.
-      bias_correction: apply Adam's bias correction (DeepSpeed ignores its flag: default off). After
-        freeze_step the variance correction stays at its freeze_step value.
+      bias_correction: apply Adam's bias correction (default). After freeze_step the variance correction stays
+        at its freeze_step value. DeepSpeed's 1-bit Adam has none (it ignores its flag): ``False`` reproduces it.
       fused: ``True`` compresses all leaves as one flat buffer (one collective and one worker scale per step,
-        DeepSpeed's fp16 path); ``False`` compresses each leaf separately (DeepSpeed's fp32 path).
+        DeepSpeed's fp16 path); ``False`` (default) compresses each leaf separately with its own scales
+        (DeepSpeed's fp32 path). One scale for the whole model lets the largest tensors decide the step size of
+        all others; per-tensor scales track Adam more closely (``benchmarks/defaults_convergence.py``).
+      max_grad_norm: clip the gradient to this global L2 norm before it enters the momentum, where DeepSpeed's
+        engine clips: during warmup the gradient averaged over ranks (so every rank clips alike), in the
+        compression stage each rank's local gradient (no averaged gradient exists there). ``None``/``0``: no
+        clipping. Not available with ``zero_stage >= 1`` (put ``optax.clip_by_global_norm`` in front instead,
+        which clips the local gradient in both stages).
       axis_name: the ``jax.shard_map`` mesh axis of the data-parallel ranks.
       mpi_comm: an mpi4py communicator; when given, the collectives go through MPI (mpi4jax) instead.
       error_feedback: keep the error buffers (the algorithm). ``False`` is for studying their effect only.
@@ -403,9 +411,12 @@ def onebit_adam(
       An ``optax.GradientTransformation`` whose ``update(local_grads, state, params)`` expects this rank's
       local gradient.
 
+    Defaults are the settings that train like Adam on small and large models (bias correction, one scale per
+    tensor); ``bias_correction=False, fused=True`` is DeepSpeed's 1-bit Adam with an fp16 optimizer bit for bit.
+
     Example::
 
-      tx = optax.chain(optax.clip_by_global_norm(1.0), jonebit.onebit_adam(1e-3, freeze_step=100))
+      tx = jonebit.onebit_adam(1e-3, freeze_step=100, max_grad_norm=1.0)
 
       @jax.shard_map(mesh=mesh, in_specs=(P(), specs, P("data")), out_specs=(P(), specs))
       def step(params, opt_state, batch):
@@ -432,6 +443,10 @@ def onebit_adam(
     _check_scalar("b2", b2, low=0.0, high=1.0, open_high=True)
     _check_scalar("eps", eps, low=0.0, open_low=True)
     _check_scalar("weight_decay", weight_decay, low=0.0)
+    if max_grad_norm is not None:
+        _check_scalar("max_grad_norm", max_grad_norm, low=0.0)
+        if _is_number(max_grad_norm) and max_grad_norm == 0:
+            max_grad_norm = None
     for name, value in (("bias_correction", bias_correction), ("fused", fused), ("error_feedback", error_feedback)):
         _check_bool(name, value)
     if nonfinite not in NONFINITE_MODES:
@@ -455,6 +470,11 @@ def onebit_adam(
     zero_stage = int(zero_stage)
     if zero_stage and mpi_comm is not None:
         raise ValueError("onebit_adam: zero_stage >= 1 runs over a shard_map axis; it is not available with mpi_comm")
+    if zero_stage and max_grad_norm is not None:
+        raise ValueError(
+            f"onebit_adam: max_grad_norm is not available with zero_stage={zero_stage}; clip the local gradient "
+            "in front instead: optax.chain(optax.clip_by_global_norm(norm), onebit_adam(...))"
+        )
 
     def _check_params(params):
         _check_float_leaves(params, "param")
@@ -565,13 +585,13 @@ def onebit_adam(
             server_error = jax.tree.map(lambda e: as_varying(e, backend.axis_name), server_error)
 
         def warmup(_):
-            g = backend.mean(grads)
+            g = _clip(backend.mean(grads))
             mu = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, state.mu, g)
             nu = jax.tree.map(lambda v, g: b2 * v + (1.0 - b2) * g * g, state.nu, g)
             return mu, nu, worker_error, server_error
 
         def compression(_):
-            mu = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, state.mu, grads)
+            mu = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, state.mu, _clip(grads))
             we, se = worker_error, server_error
             if backend.size > 1:
                 mu, we, se = compress(backend, mu, we, se)
@@ -582,6 +602,14 @@ def onebit_adam(
                 mu = treedef.unflatten([m if k is None else m * jnp.asarray(k, jnp.float32)
                                         for m, k in zip(leaves, mask, strict=True)])
             return mu, state.nu, we, se
+
+        def _clip(g):
+            if max_grad_norm is None:
+                return g
+            norm = optax.tree.norm(g)
+            # optax.clip_by_global_norm's rule: scale by max_norm / norm only when the norm exceeds it.
+            factor = jnp.where(norm > max_grad_norm, max_grad_norm / jnp.where(norm > 0, norm, 1.0), 1.0)
+            return jax.tree.map(lambda x: x * factor, g)
 
         count = state.count
         bad, on_skip = _nonfinite_flag(backend, grads, state.mu, nonfinite)

@@ -37,7 +37,8 @@ def run_both(p, *, steps, freeze_step, fused=True, mask=None, wd=0.0, lr=1e-2, s
     rng = np.random.default_rng(seed)
     params0 = make_params(rng)
     mesh = mesh_of(p)
-    tx = onebit_adam(lr, freeze_step=freeze_step, weight_decay=wd, exp_avg_mask=mask, fused=fused)
+    tx = onebit_adam(lr, freeze_step=freeze_step, weight_decay=wd, exp_avg_mask=mask, fused=fused,
+                     bias_correction=False)  # the reference is DeepSpeed's: no bias correction
     state, specs = sharded_init(tx, params0, mesh)
     step, put = stepper(tx, mesh, specs)
     params = jax.device_put(params0, jax.NamedSharding(mesh, P()))
@@ -151,7 +152,8 @@ def test_chain_with_clipping_matches_reference():
     """clip_by_global_norm before 1-bit Adam clips each rank's local gradient, in both stages."""
     p, clip = 4, 0.5
     params0 = make_params(np.random.default_rng(0))
-    tx = optax.chain(optax.clip_by_global_norm(clip), onebit_adam(1e-2, freeze_step=2, weight_decay=0.01))
+    tx = optax.chain(optax.clip_by_global_norm(clip),
+                     onebit_adam(1e-2, freeze_step=2, weight_decay=0.01, bias_correction=False, fused=True))
     ref = NumpyOneBitAdamFull(params0, p, freeze_step=2, lr=1e-2, wd=0.01, clip_norm=clip)
     unclipped = NumpyOneBitAdam(params0, p, freeze_step=2, lr=1e-2, wd=0.01)
     for t, grads, got, want in run_against(tx, ref, p, steps=6, grad_scale=3.0):
@@ -162,6 +164,40 @@ def test_chain_with_clipping_matches_reference():
             np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=2e-6, err_msg=f"step {t} leaf {k}")
             if t >= 2:  # in both stages the clipped run differs from the unclipped one
                 assert np.abs(want[k] - free[k]).max() > 1e-3
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_max_grad_norm_clips_the_averaged_gradient_in_warmup_and_the_local_one_after(fused):
+    """DeepSpeed's places: the engine clips after its allreduce in warmup, the local gradient once compressing."""
+    p, clip, freeze = 4, 0.5, 3
+    params0 = make_params(np.random.default_rng(0))
+    kw = dict(freeze_step=freeze, weight_decay=0.01, bias_correction=True, fused=fused)
+    tx = onebit_adam(1e-2, max_grad_norm=clip, **kw)
+    ref = NumpyOneBitAdamFull(params0, p, lr=1e-2, wd=0.01, clip_norm=clip, clip_averaged_warmup=True,
+                              freeze_step=freeze, bias_correction=True, fused=fused)
+    local = NumpyOneBitAdamFull(params0, p, lr=1e-2, wd=0.01, clip_norm=clip, freeze_step=freeze,
+                                bias_correction=True, fused=fused)
+    for t, grads, got, want in run_against(tx, ref, p, steps=6, grad_scale=3.0):
+        mean_norm = np.sqrt(sum(np.sum(np.mean([g[k] for g in grads], 0) ** 2) for k in params0))
+        assert mean_norm > 4 * clip  # the clip binds on the averaged gradient too
+        other = local.step(grads)
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=2e-6, err_msg=f"step {t} leaf {k}")
+        if t == 0:  # clipping the mean is not clipping each rank's gradient, then averaging
+            assert max(np.abs(want[k] - other[k]).max() for k in want) > 1e-4
+
+
+def test_max_grad_norm_zero_is_off_and_refused_under_zero():
+    params0 = make_params(np.random.default_rng(1))
+    off = NumpyOneBitAdamFull(params0, 2, lr=1e-2, freeze_step=2, bias_correction=True, fused=False)
+    for _, _, got, want in run_against(onebit_adam(1e-2, freeze_step=2, max_grad_norm=0.0), off, 2, steps=4,
+                                       grad_scale=3.0):
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=2e-6)
+    with pytest.raises(ValueError, match="max_grad_norm is not available with zero_stage=1.*clip_by_global_norm"):
+        onebit_adam(1e-2, freeze_step=2, max_grad_norm=1.0, zero_stage=1)
+    with pytest.raises(ValueError, match="max_grad_norm must be >= 0"):
+        onebit_adam(1e-2, freeze_step=2, max_grad_norm=-1.0)
 
 
 def test_learning_rate_schedule_and_bias_correction():
