@@ -168,8 +168,9 @@ def run(
     resume: bool = True,
     progress: bool = True,
     export: bool = True,
+    fused: bool | None = None,
 ) -> RunResult:
-    """Pre-trains one model; returns its metrics records."""
+    """Pre-trains one model; returns its metrics records (``fused``: 1-bit Adam's compression, see initialize)."""
     import jax
     from flax import nnx
 
@@ -188,7 +189,8 @@ def run(
     graphdef, params, keys, rest = nnx.split(net, nnx.Param, nnx.RngState, ...)
     onebit = cfg.optimizer is not None and cfg.optimizer.type == "OneBitAdam"
     mask = position_embedding_mask(params, seq_len) if onebit else None
-    engine = initialize(cfg, make_loss(graphdef, keys, rest), params, exp_avg_mask=mask, rng_seed=seed)
+    engine = initialize(cfg, make_loss(graphdef, keys, rest), params, exp_avg_mask=mask, rng_seed=seed,
+                        fused=fused)
     train_data = PretrainingData(data_dir, "train")
     heldout = PretrainingData(data_dir, "heldout") if "heldout" in train_data.manifest["instances"] else None
     evaluate = None

@@ -106,6 +106,7 @@ def initialize(
     has_aux: bool = False,
     rng_seed: int | None = None,
     tx: optax.GradientTransformation | None = None,
+    fused: bool | None = None,
 ) -> Engine:
     """Builds an :class:`Engine` from a DeepSpeed config (a path, a dict or a parsed config).
 
@@ -118,6 +119,8 @@ def initialize(
       exp_avg_mask: 1-bit Adam's momentum mask (e.g. :func:`jonebit.models.bert.position_embedding_mask`).
       has_aux, rng_seed: see :func:`jonebit.train.engine.make_train_step`.
       tx: an optax transformation replacing the config's optimizer section (the config may then omit it).
+      fused: 1-bit Adam: one compression scale for the whole model (``True``) or one per tensor (``False``);
+        default as :func:`jonebit.train.config.build_optimizer` decides (DeepSpeed's: fused with fp16).
     """
     if not isinstance(config, DeepSpeedConfig):
         config = load_config(config)
@@ -141,7 +144,7 @@ def initialize(
             "jonebit.onebit_adam(..., mpi_comm=...) with your own step",
         )
     if tx is None:
-        tx = build_optimizer(config, axis_name=axis, exp_avg_mask=exp_avg_mask)
+        tx = build_optimizer(config, axis_name=axis, exp_avg_mask=exp_avg_mask, fused=fused)
         learning_rate = build_schedule(config.scheduler, opt)
     else:
         learning_rate = build_schedule(config.scheduler, opt) if opt is not None else None

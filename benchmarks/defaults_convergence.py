@@ -1,0 +1,100 @@
+"""Which 1-bit Adam settings train like Adam: DeepSpeed's exact behaviour against jonebit's defaults.
+
+The embedded pre-training job of ``jonebit pretrain`` (a tiny BERT, MLM + NSP, on CPython's ``pydoc_data`` text,
+8 simulated CPU devices, the same data, seed, warmup-decay schedule and clipping for every run) is trained with
+
+* ``adam``: AdamW with an fp32 gradient allreduce (the reference);
+* ``onebit_deepspeed``: 1-bit Adam as DeepSpeed runs it with an fp16 optimizer: no bias correction, one
+  compression scale for the whole model (``bias_correction=False, fused=True``);
+* ``onebit_bias_fused``: bias correction on, still one scale for the whole model;
+* ``onebit_default``: jonebit's defaults, bias correction and one scale per tensor
+  (``bias_correction=True, fused=False``).
+
+1-bit Adam freezes the variance after 20% of the steps. The table gives the held-out MLM loss at the end and the
+gap to Adam; the figure the training curves. Results: ``benchmarks/results/defaults_convergence.{json,png}``.
+
+    python benchmarks/defaults_convergence.py                 # 300 steps, ~15-25 min on 2 busy cores
+    python benchmarks/defaults_convergence.py --steps 100     # a quicker look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shutil
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks.common import RESULTS, write_json  # noqa: E402  (sets 8 CPU devices)
+
+VARIANTS = {  # name -> (optimizer type, bias_correction, fused)
+    "adam": ("Adam", None, None),
+    "onebit_deepspeed": ("OneBitAdam", False, True),
+    "onebit_bias_fused": ("OneBitAdam", True, True),
+    "onebit_default": ("OneBitAdam", True, False),
+}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--workdir", default="runs/defaults_convergence")
+    args = ap.parse_args(argv)
+
+    from jonebit.plot import plot_runs
+    from jonebit.pretrain import _prepare_data, default_configs, run
+
+    work = pathlib.Path(args.workdir)
+    prep = argparse.Namespace(corpus=None, vocab=None, vocab_size=2000, seq_len=args.seq_len, max_predictions=20,
+                              dupe_factor=5, seed=args.seed, heldout_documents=6, whole_word_mask=False,
+                              data_dir=None, overwrite_data=False)
+    data_dir, vocab = _prepare_data(prep, work)
+    configs = default_configs(args.steps, args.batch_size, lr=args.lr)
+    rows, outputs = [], []
+    for name in args.variants:
+        kind, bias, fused = VARIANTS[name]
+        cfg = json.loads(json.dumps(configs["adam" if kind == "Adam" else "onebit_adam"]))
+        if kind == "OneBitAdam":
+            cfg["optimizer"]["params"]["bias_correction"] = bias
+        out = work / name
+        shutil.rmtree(out, ignore_errors=True)  # each run starts fresh (the data cache is kept)
+        print(f"\n== {name}", flush=True)
+        t0 = time.perf_counter()
+        result = run(cfg, data_dir=data_dir, vocab_file=vocab, model="tiny", seq_len=args.seq_len,
+                     max_steps=args.steps, output=out, seed=args.seed, resume=False, export=False, fused=fused)
+        last = result.records[-1]
+        tail = [r["loss"] for r in result.records[-max(1, len(result.records) // 10):]]
+        rows.append({"variant": name, "bias_correction": bias, "fused": fused,
+                     "train_loss_tail": sum(tail) / len(tail), "heldout_mlm_loss": last.get("eval/mlm_loss"),
+                     "heldout_mlm_accuracy": last.get("eval/mlm_accuracy"),
+                     "nsp_accuracy": last.get("eval/nsp_accuracy"), "seconds": time.perf_counter() - t0,
+                     "curve": [(r["step"], r["loss"]) for r in result.records]})
+        outputs.append(out)
+    ref = next((r["heldout_mlm_loss"] for r in rows if r["variant"] == "adam"), None)
+    lines = ["| run | bias correction | fused | train loss (last 10%) | held-out MLM loss | vs Adam | MLM acc |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        gap = f"{100 * (r['heldout_mlm_loss'] - ref) / ref:+.2f}%" if ref and r["heldout_mlm_loss"] else ""
+        lines.append(f"| {r['variant']} | {r['bias_correction']} | {r['fused']} | {r['train_loss_tail']:.3f} | "
+                     f"{r['heldout_mlm_loss']:.3f} | {gap} | {r['heldout_mlm_accuracy']:.3f} |")
+    print("\n" + "\n".join(lines))
+    payload = {"command": " ".join(["python", "benchmarks/defaults_convergence.py",
+                                                          *(argv if argv is not None else sys.argv[1:])]),
+               "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr,
+               "rows": rows}
+    path = write_json(f"defaults_convergence{'' if args.steps == 300 else f'_{args.steps}'}", payload)
+    png = RESULTS / f"{path.stem}.png"
+    plot_runs(outputs, png, labels=[r["variant"] for r in rows], smooth=1)
+    print(f"wrote {path} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
