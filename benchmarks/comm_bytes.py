@@ -45,7 +45,7 @@ def main():
     for name, shapes in trees.items():
         t0 = time.perf_counter()
         n = count(shapes)
-        onebit = step_report(onebit_adam(1e-3, freeze_step=100), shapes, mesh, None)
+        onebit = step_report(onebit_adam(1e-3, freeze_step=100, fused=True), shapes, mesh, None)
         per_leaf = step_report(onebit_adam(1e-3, freeze_step=100, fused=False), shapes, mesh, None)
         fp32 = step_report(optax.adamw(1e-3), shapes, mesh, "mean").always_bytes
         bf16 = step_report(optax.adamw(1e-3), shapes, mesh, "mean_bf16", compiled=False).always_bytes

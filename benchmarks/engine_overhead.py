@@ -45,7 +45,7 @@ def main():
 
     rows, raw = [], {}
     for name, tx, reduce in (("Adam (fp32 allreduce)", optax.adam(1e-3), "mean"),
-                             ("1-bit Adam (compression stage)", onebit_adam(1e-3, freeze_step=1), None)):
+                             ("1-bit Adam (compression stage)", onebit_adam(1e-3, freeze_step=1, fused=True), None)):
         params = replicate(jax.tree.map(np.asarray, params0), mesh)  # own buffers: the bare step donates them
         opt_state, specs = init_optimizer(tx, params, mesh)
         bare = make_step(loss, tx, mesh, specs, grad_reduce=reduce)

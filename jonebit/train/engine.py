@@ -588,7 +588,7 @@ def make_train_step(
         params = jax.tree.map(lambda x: sds(x, x.sharding), state.params)
         opt_state = jax.tree.map(sds, state.opt_state, state_dev)
         report = comm_report(jax.jit(mapped).lower(params, opt_state, stacked).compile().as_text(), mesh.size)
-        if report.branches and len(report.branches[0]) == 3:
+        if report.branches and len(report.branches[0]) >= 3:  # (warmup, first compression, compression[, skip])
             first = report.branches[0]
             report = dc.replace(report, branches=((first[2], first[0]), *report.branches[1:]))
         return report

@@ -376,6 +376,7 @@ def train(
             evaluating = evaluate is not None and (n == config.max_steps or (
                 config.eval_every and n % config.eval_every == 0))
             if n % config.log_every == 0 or n == config.max_steps or evaluating:
+                jax.block_until_ready(metrics)  # dispatch is asynchronous: time the finished steps, not their launch
                 elapsed = max(time.perf_counter() - t_last, 1e-9)
                 record = _record(n, state, metrics, config, lr_schedule, stage_bytes, examples / elapsed,
                                  elapsed / (n - logged))

@@ -39,7 +39,7 @@ def make_state(seed: int, blob: int = BLOB, devices: int = 8):
     mesh = data_mesh(devices)
     rng = np.random.default_rng(seed)
     params = replicate({"w": np.zeros((24, 10), np.float32), "b": np.zeros(7, np.float32)}, mesh)
-    opt_state, _ = init_optimizer(onebit_adam(1e-2, freeze_step=2), params, mesh)
+    opt_state, _ = init_optimizer(onebit_adam(1e-2, freeze_step=2, fused=True), params, mesh)
 
     def put(value, sharding):
         return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])

@@ -34,7 +34,7 @@ def data(n=96):
 
 def make_run(out, *, max_steps, checkpoint_every, async_checkpoint=False, mesh=None, **loop_kw):
     mesh = mesh or data_mesh()
-    tx = jonebit.onebit_adam(1e-2, freeze_step=FREEZE)
+    tx = jonebit.onebit_adam(1e-2, freeze_step=FREEZE, fused=True)
     state, specs = init_train_state(tx, params0(), mesh)
     step = make_train_step(loss_fn, tx, mesh, specs, accumulation_steps=2, rng_seed=3)
     batches = ArrayBatches(data(), batch_size=mesh.size * 4, seed=11)
