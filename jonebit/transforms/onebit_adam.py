@@ -648,10 +648,6 @@ def onebit_adam(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _is_state(x) -> bool:
-    return isinstance(x, OneBitAdamState | OneBitAdamZeroState)
-
-
 def is_onebit_state(x) -> bool:
     """Whether ``x`` is the state of a 1-bit optimizer (whose error buffers are per rank)."""
     return isinstance(x, OneBitAdamState | OneBitAdamZeroState)
@@ -670,7 +666,7 @@ def state_specs(opt_state, axis_name: str = "data"):
     def spec(node):
         if isinstance(node, OneBitAdamZeroState):
             return zero_state_specs(node, axis_name)
-        if _is_state(node):
+        if is_onebit_state(node):
             rows = lambda t: jax.tree.map(lambda _: P(axis_name), t)  # noqa: E731
             rep = lambda t: jax.tree.map(lambda _: P(), t)  # noqa: E731
             return OneBitAdamState(
