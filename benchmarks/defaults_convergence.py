@@ -15,6 +15,12 @@ gap to Adam; the figure the training curves. Results: ``benchmarks/results/defau
 
     python benchmarks/defaults_convergence.py                 # 300 steps, ~15-25 min on 2 busy cores
     python benchmarks/defaults_convergence.py --steps 100     # a quicker look
+
+The same comparison on real text (issue: BERT-mini on the SQuAD training articles with the BERT uncased vocab):
+
+    python benchmarks/defaults_convergence.py --tag bert_mini --model mini --seq-len 128 --batch-size 64 \
+        --corpus ../shared/data/corpus/squad-train-articles.txt \
+        --vocab ../shared/data/vocab/bert-base-uncased-vocab.txt --heldout-documents 10 --lr 1e-3 --steps 2000
 """
 
 from __future__ import annotations
@@ -45,6 +51,14 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--model", default="tiny", help="tiny|mini|small|... (default tiny)")
+    ap.add_argument("--corpus", nargs="+", help="pre-training text (default: CPython's pydoc_data topics)")
+    ap.add_argument("--vocab", help="BERT vocab.txt (default: a 2,000-token vocabulary trained on the corpus)")
+    ap.add_argument("--heldout-documents", type=int, default=6)
+    ap.add_argument("--dupe-factor", type=int, default=5)
+    ap.add_argument("--freeze", type=float, default=0.2, help="1-bit Adam's warmup as a fraction of the steps")
+    ap.add_argument("--eval-batches", type=int, default=20)
+    ap.add_argument("--tag", default="", help="result file suffix (defaults_convergence_TAG.json)")
     ap.add_argument("--workdir", default="runs/defaults_convergence")
     args = ap.parse_args(argv)
 
@@ -52,9 +66,10 @@ def main(argv=None) -> int:
     from jonebit.pretrain import _prepare_data, default_configs, run
 
     work = pathlib.Path(args.workdir)
-    prep = argparse.Namespace(corpus=None, vocab=None, vocab_size=2000, seq_len=args.seq_len, max_predictions=20,
-                              dupe_factor=5, seed=args.seed, heldout_documents=6, whole_word_mask=False,
-                              data_dir=None, overwrite_data=False)
+    prep = argparse.Namespace(corpus=args.corpus, vocab=args.vocab, vocab_size=2000, seq_len=args.seq_len,
+                              max_predictions=20, dupe_factor=args.dupe_factor, seed=args.seed,
+                              heldout_documents=args.heldout_documents, whole_word_mask=False, data_dir=None,
+                              overwrite_data=False)
     data_dir, vocab = _prepare_data(prep, work)
     configs = default_configs(args.steps, args.batch_size, lr=args.lr)
     rows, outputs = [], []
@@ -63,19 +78,22 @@ def main(argv=None) -> int:
         cfg = json.loads(json.dumps(configs["adam" if kind == "Adam" else "onebit_adam"]))
         if kind == "OneBitAdam":
             cfg["optimizer"]["params"]["bias_correction"] = bias
+            cfg["optimizer"]["params"]["freeze_step"] = max(2, int(args.steps * args.freeze)) + 1  # DeepSpeed's
         out = work / name
         shutil.rmtree(out, ignore_errors=True)  # each run starts fresh (the data cache is kept)
         print(f"\n== {name}", flush=True)
         t0 = time.perf_counter()
-        result = run(cfg, data_dir=data_dir, vocab_file=vocab, model="tiny", seq_len=args.seq_len,
-                     max_steps=args.steps, output=out, seed=args.seed, resume=False, export=False, fused=fused)
+        result = run(cfg, data_dir=data_dir, vocab_file=vocab, model=args.model, seq_len=args.seq_len,
+                     max_steps=args.steps, output=out, seed=args.seed, resume=False, export=False, fused=fused,
+                     eval_batches=args.eval_batches, eval_every=max(1, args.steps // 10))
         last = result.records[-1]
         tail = [r["loss"] for r in result.records[-max(1, len(result.records) // 10):]]
         rows.append({"variant": name, "bias_correction": bias, "fused": fused,
                      "train_loss_tail": sum(tail) / len(tail), "heldout_mlm_loss": last.get("eval/mlm_loss"),
                      "heldout_mlm_accuracy": last.get("eval/mlm_accuracy"),
                      "nsp_accuracy": last.get("eval/nsp_accuracy"), "seconds": time.perf_counter() - t0,
-                     "curve": [(r["step"], r["loss"]) for r in result.records]})
+                     "curve": [(r["step"], r["loss"]) for r in result.records],
+                     "eval_curve": [(r["step"], r["eval/mlm_loss"]) for r in result.records if "eval/mlm_loss" in r]})
         outputs.append(out)
     ref = next((r["heldout_mlm_loss"] for r in rows if r["variant"] == "adam"), None)
     lines = ["| run | bias correction | fused | train loss (last 10%) | held-out MLM loss | vs Adam | MLM acc |",
@@ -88,8 +106,8 @@ def main(argv=None) -> int:
     payload = {"command": " ".join(["python", "benchmarks/defaults_convergence.py",
                                                           *(argv if argv is not None else sys.argv[1:])]),
                "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr,
-               "rows": rows}
-    path = write_json(f"defaults_convergence{'' if args.steps == 300 else f'_{args.steps}'}", payload)
+               "model": args.model, "corpus": args.corpus or "pydoc_data", "freeze": args.freeze, "rows": rows}
+    path = write_json("defaults_convergence" + (f"_{args.tag}" if args.tag else ""), payload)
     png = RESULTS / f"{path.stem}.png"
     plot_runs(outputs, png, labels=[r["variant"] for r in rows], smooth=1)
     print(f"wrote {path} and {png}")
