@@ -374,7 +374,7 @@ def onebit_adam(
     bias_correction: bool = True,
     fused: bool = False,
     max_grad_norm: float | None = None,
-    axis_name: str | None = "data",
+    axis_name: str | tuple[str, str] | None = "data",
     mpi_comm: Any = None,
     error_feedback: bool = True,
     amsgrad: bool = False,
@@ -500,8 +500,8 @@ def onebit_adam(
             )
     elif axis_name is not None and not isinstance(axis_name, str):
         raise TypeError(
-            f"onebit_adam: axis_name must be a mesh axis name (str) or a pair (hosts_axis, local_axis), got "
-            f"{axis_name!r}"
+            f"onebit_adam: axis_name must be a mesh axis name (str), got {axis_name!r}; or a pair (hosts_axis, "
+            "local_axis) for hierarchical compression"
         )
     exp_avg_mask = _normalise_mask(exp_avg_mask)
     decays = not (_is_number(weight_decay) and weight_decay == 0)
@@ -771,8 +771,8 @@ def state_specs(opt_state, axis_name: str | tuple[str, str] = "data"):
         axis_name = check_axis_pair(axis_name, "state_specs")
     elif not isinstance(axis_name, str):
         raise TypeError(
-            f"state_specs: axis_name must be a mesh axis name (str) or a pair (hosts_axis, local_axis), got "
-            f"{axis_name!r}"
+            f"state_specs: axis_name must be a mesh axis name (str), got {axis_name!r}; or a pair (hosts_axis, "
+            "local_axis) for hierarchical compression"
         )
     if isinstance(opt_state, optax.GradientTransformation):
         raise TypeError("state_specs: got an optax.GradientTransformation; pass its state (tx.init(params)) instead")
