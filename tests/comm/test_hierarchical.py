@@ -1,5 +1,9 @@
 """Hierarchical compressed allreduce: numpy model, bit-identity, and the bytes of the compiled program."""
 
+import pathlib
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,12 +15,15 @@ from jonebit import onebit_adam
 from jonebit.comm import compressed_allreduce, compressed_bytes_per_rank
 from jonebit.comm.accounting import _groups, comm_report, inter_host_bytes, partition_hosts
 from jonebit.comm.hierarchical import error_sizes, hierarchical_bytes_per_device, hierarchical_compressed_allreduce
+from jonebit.sharding.mesh import free_port
 from jonebit.train.data_parallel import hierarchical_mesh, init_optimizer, make_update, replicate, shard_batch
+from tests.mpi_util import ROOT, worker_env
 from tests.reference import np_compressed_allreduce, np_padded
 from tests.reference_hierarchical import np_hier_error_sizes, np_hierarchical_allreduce
 
 AXES = ("hosts", "local")
 ROWS = P(AXES)
+DIST_WORKER = pathlib.Path(__file__).with_name("hier_dist_worker.py")
 
 
 def mesh_of(hosts, local):
@@ -212,3 +219,38 @@ def test_bad_inputs_are_clear_errors():
         hierarchical_mesh(local=4, axes=("a", "a"))
     with pytest.raises(ValueError, match="partition_hosts: mesh has no axis 'nodes'"):
         partition_hosts(mesh, "nodes")
+
+
+@pytest.mark.multiprocess
+def test_two_processes_are_the_hosts_of_the_default_mesh(tmp_path):
+    """2 jax.distributed processes x 2 CPU devices: hierarchical_mesh() has one row per process, and the allreduce
+    across them gives the numpy model's result on every device of both processes."""
+    procs = []
+    port = free_port("127.0.0.1")
+    for rank in range(2):
+        env = worker_env(JONEBIT_COORDINATOR=f"127.0.0.1:{port}", JONEBIT_NUM_PROCESSES="2",
+                         JONEBIT_PROCESS_ID=str(rank), JAX_NUM_CPU_DEVICES="2")
+        procs.append(subprocess.Popen([sys.executable, str(DIST_WORKER), str(tmp_path)], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for p in procs:
+        try:
+            out = p.communicate(timeout=180)[0]
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("2-process hierarchical allreduce timed out")
+        assert p.returncode == 0, out[-3000:]
+    results = [np.load(tmp_path / f"proc{r}.npz") for r in range(2)]
+    for r, res in enumerate(results):
+        assert res["shape"].tolist() == [2, 2] and res["rows"].tolist() == [2 * r, 2 * r + 1]  # process r = host r
+    rng = np.random.default_rng(0)
+    w_len, s_len = np_hier_error_sizes(301, 2, 2)
+    we = [[np.zeros(w_len, np.float32)] * 2 for _ in range(2)]
+    se = [[np.zeros(s_len, np.float32)] * 2 for _ in range(2)]
+    for t in range(3):
+        x = rng.standard_normal((4, 301)).astype(np.float32) * np.float32(1 + np.arange(4))[:, None]
+        want, we, se = np_hierarchical_allreduce(nested(x, 2, 2), we, se)
+        got = np.concatenate([res["outs"][t] for res in results])  # (4 devices, 301)
+        for d in range(4):
+            np.testing.assert_array_equal(got[d], got[0], err_msg=f"call {t}: device {d} differs")
+        np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-6, err_msg=f"call {t}")
