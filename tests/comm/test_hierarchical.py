@@ -254,3 +254,23 @@ def test_two_processes_are_the_hosts_of_the_default_mesh(tmp_path):
         for d in range(4):
             np.testing.assert_array_equal(got[d], got[0], err_msg=f"call {t}: device {d} differs")
         np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-6, err_msg=f"call {t}")
+
+
+def test_hierarchical_mesh_layouts_and_batch_errors():
+    one = hierarchical_mesh()  # one process: a single host holding every device
+    assert dict(one.shape) == {"hosts": 1, "local": 8} and one.axis_types == (AxisType.Explicit,) * 2
+    mesh = hierarchical_mesh(local=4)
+    assert dict(mesh.shape) == {"hosts": 2, "local": 4}
+    assert [[d.id for d in row] for row in mesh.devices] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert dict(hierarchical_mesh(hosts=2, local=2, axes=("node", "gpu")).shape) == {"node": 2, "gpu": 2}
+    batch = {"x": np.arange(16 * 3, dtype=np.float32).reshape(16, 3)}
+    placed = shard_batch(batch, mesh, AXES)
+    assert placed["x"].sharding.spec == P(AXES)
+    # Device (h, l) holds rows [2 (h L + l), 2 (h L + l) + 2): split over both axes, hosts outermost.
+    for shard in placed["x"].addressable_shards:
+        h, l_ = np.argwhere(mesh.devices == shard.device)[0]
+        np.testing.assert_array_equal(np.asarray(shard.data), batch["x"][2 * (4 * h + l_):2 * (4 * h + l_) + 2])
+    with pytest.raises(ValueError, match="shard_batch: mesh has no axis 'gpus'"):
+        shard_batch(batch, mesh, ("hosts", "gpus"))
+    with pytest.raises(ValueError, match=r"must be divisible by the 8 devices of mesh axis 'hosts'/'local'"):
+        shard_batch({"x": np.zeros((12, 3), np.float32)}, mesh, AXES)
