@@ -9,11 +9,13 @@ from jonebit.comm.compressed import (
     decode_rows,
     padded_size,
 )
+from jonebit.comm.hierarchical import HierarchicalBackend, hierarchical_compressed_allreduce
 from jonebit.comm.packing import pack_signs, unpack_signs
 
 __all__ = [
     "AxisBackend",
     "Backend",
+    "HierarchicalBackend",
     "MPIBackend",
     "compressed_allreduce",
     "compressed_allreduce_rows",
@@ -21,6 +23,7 @@ __all__ = [
     "compressed_bytes_per_rank",
     "decode_rows",
     "get_backend",
+    "hierarchical_compressed_allreduce",
     "pack_signs",
     "padded_size",
     "unpack_signs",

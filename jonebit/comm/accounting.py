@@ -20,6 +20,10 @@ Forms of the HLO text that are counted (GPU programs use most of them):
   the body). With an unknown trip count the collective is kept with ``trips=None`` and every byte total that
   would include it raises ``ValueError`` rather than report a per-step number that is not one; each
   ``Collective`` still gives its bytes per execution.
+
+Which devices talk: each collective keeps its ``replica_groups`` (explicit ``{{0,1},{2,3}}`` or iota
+``[2,2]<=[2,2]T(1,0)`` form), so :func:`inter_host_bytes` can count what crosses between hosts of a 2-D mesh
+(:func:`partition_hosts` maps the program's device ids to hosts).
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _PRED_BRANCHES = re.compile(r"true_computation=%?([\w.\-]+),\s*false_computation=%?([\w.\-]+)")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
+_GROUPS_ALL_LIST = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_GROUPS_ALL_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +67,8 @@ class Collective:
       dtypes: element types of its result arrays (``"u8"``, ``"f32"``, ...).
       trips: executions per run of the program (product of the trip counts of the enclosing ``while`` loops);
         ``None`` when an enclosing loop's trip count is unknown.
+      groups: its replica groups (device ids of the program, as in ``replica_groups``); ``None`` when the text
+        names none (one group of every device).
     """
 
     op: str
@@ -69,6 +77,7 @@ class Collective:
     computation: str
     dtypes: tuple[str, ...] = ()
     trips: int | None = 1
+    groups: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def bytes_sent(self) -> float:
@@ -177,6 +186,80 @@ def _group_size(line: str, default: int) -> int:
     return default
 
 
+def _groups(line: str) -> tuple[tuple[int, ...], ...] | None:
+    """The replica groups of an instruction, from either form of ``replica_groups``; None when absent/empty."""
+    if m := _GROUPS_ALL_IOTA.search(line):
+        n_groups, size = int(m.group(1)), int(m.group(2))
+        dims = [int(d) for d in m.group(3).split(",")]
+        perm = [int(d) for d in m.group(4).split(",")] if m.group(4) else list(range(len(dims)))
+        ids = _transposed_iota(dims, perm)
+        return tuple(tuple(ids[g * size:(g + 1) * size]) for g in range(n_groups))
+    if m := _GROUPS_ALL_LIST.search(line):
+        groups = tuple(tuple(int(x) for x in g.split(",") if x) for g in re.findall(r"\{([\d,]*)\}", m.group(1)))
+        return groups if groups and all(groups) else None
+    return None
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+def _transposed_iota(dims: list[int], perm: list[int]) -> list[int]:
+    """``iota(dims).transpose(perm).ravel()`` (the iota form of replica groups), without numpy."""
+    strides = [_prod(dims[i + 1:]) for i in range(len(dims))]
+    out_dims = [dims[p] for p in perm]
+    out = []
+    for flat in range(_prod(dims)):
+        rem, idx = flat, []
+        for d in reversed(out_dims):
+            idx.append(rem % d)
+            rem //= d
+        idx.reverse()
+        out.append(sum(i * strides[p] for i, p in zip(idx, perm, strict=True)))
+    return out
+
+
+def partition_hosts(mesh, hosts_axis: str) -> list[int]:
+    """``hosts[i]``: the index along ``hosts_axis`` of device ``i`` of a program compiled for ``mesh``.
+
+    Device ids in a ``shard_map`` program's ``replica_groups`` are positions in ``mesh.devices``, row-major.
+    """
+    names = tuple(mesh.axis_names)
+    if hosts_axis not in names:
+        raise ValueError(f"partition_hosts: mesh has no axis {hosts_axis!r} (axes: {names}); pass its slow axis")
+    shape = [mesh.shape[a] for a in names]
+    k = names.index(hosts_axis)
+    inner = _prod(shape[k + 1:])
+    return [(i // inner) % shape[k] for i in range(_prod(shape))]
+
+
+def inter_host_bytes(collectives, hosts: list[int]) -> float:
+    """Bytes sent between hosts per run of the program, per host (the total over hosts divided by their number).
+
+    Each device's :attr:`Collective.bytes_sent` is split evenly over the other members of its group, and the
+    part addressed to members on other hosts counts. That is exact for all-to-all and for a direct all-gather
+    (every member sends its piece to every other); for ring all-reduce and reduce-scatter the real share
+    depends on the ring's order.
+
+    Args:
+      collectives: :class:`Collective` s (e.g. ``report.always`` plus one branch's).
+      hosts: ``hosts[i]`` is the host of device ``i`` (:func:`partition_hosts`).
+    """
+    total = 0.0
+    for c in collectives:
+        groups = c.groups if c.groups is not None else (tuple(range(len(hosts))),)
+        for group in groups:
+            if len(group) < 2:
+                continue
+            for dev in group:
+                off = sum(hosts[o] != hosts[dev] for o in group)
+                total += c.total_bytes_sent * off / (len(group) - 1)
+    return total / len(set(hosts))
+
+
 def _times(trips: int | None, n: int | None) -> int | None:
     return None if trips is None or n is None else trips * n
 
@@ -216,7 +299,7 @@ def comm_report(hlo_text: str, num_devices: int) -> CommReport:
                 op, is_start = m.group("op"), m.group("start") is not None
                 arrays = _arrays(_result_shape(op, is_start, m.group("shape")))
                 direct.append(Collective(op, sum(b for _, b in arrays), _group_size(line, num_devices), name,
-                                         tuple(d for d, _ in arrays), trips))
+                                         tuple(d for d, _ in arrays), trips, _groups(line)))
             if b := _BRANCHES.search(line):
                 names = [x.strip().lstrip("%") for x in b.group(1).split(",")]
             elif b := _PRED_BRANCHES.search(line):

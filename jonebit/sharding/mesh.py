@@ -319,6 +319,51 @@ def data_mesh(num_devices: int | None = None, axis: str = "data") -> Mesh:
     return jax.make_mesh((num_devices,), (axis,), axis_types=(AxisType.Explicit,), devices=devices)
 
 
+def hierarchical_mesh(hosts: int | None = None, local: int | None = None,
+                      axes: tuple[str, str] = ("hosts", "local")) -> Mesh:
+    """A 2-D ``hosts x local`` mesh for hierarchical 1-bit compression (``onebit_adam(axis_name=axes)``).
+
+    Row ``h`` holds the devices of host ``h``: by default one row per ``jax.distributed`` process
+    (``hosts = jax.process_count()``, ``local = jax.local_device_count()``), each row that process's devices.
+    Give ``hosts`` and/or ``local`` to split the devices otherwise (e.g. to emulate hosts in one process): the
+    first ``hosts * local`` devices of ``jax.devices()`` (process order) are laid out row by row; a missing one
+    of the two is the device count divided by the other.
+
+    Args:
+      hosts: number of hosts (the slow axis, crossed only by 1-bit data).
+      local: devices per host (the fast axis).
+      axes: the two axis names, slow first.
+
+    Example::
+
+      mesh = hierarchical_mesh(local=4)  # 8 devices: 2 "hosts" x 4
+      tx = jonebit.onebit_adam(1e-3, freeze_step=100, axis_name=("hosts", "local"))
+    """
+    if (not isinstance(axes, tuple | list) or len(axes) != 2 or not all(isinstance(a, str) and a for a in axes)
+            or axes[0] == axes[1]):
+        raise ValueError(f"hierarchical_mesh: axes must be two different axis names (slow, fast), got {axes!r}")
+    for name, value in (("hosts", hosts), ("local", local)):
+        if value is not None and (isinstance(value, bool) or not hasattr(value, "__index__")
+                                  or operator.index(value) < 1):
+            raise ValueError(f"hierarchical_mesh: {name} must be a positive int or None, got {value!r}")
+    total = jax.device_count()
+    if hosts is None and local is None:
+        hosts, local = jax.process_count(), jax.local_device_count()
+    elif hosts is None:
+        hosts = total // operator.index(local)
+    elif local is None:
+        local = total // operator.index(hosts)
+    hosts, local = operator.index(hosts), operator.index(local)
+    if hosts < 1 or local < 1 or hosts * local > total:
+        raise ValueError(
+            f"hierarchical_mesh: hosts={hosts} x local={local} needs {hosts * local} devices, there are {total}; "
+            "choose hosts * local <= the device count"
+        )
+    # Process order first, so that with one row per process each row is one host's devices.
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))[:hosts * local]
+    return jax.make_mesh((hosts, local), tuple(axes), axis_types=(AxisType.Explicit,) * 2, devices=devices)
+
+
 def check_batch(tree, mesh: Mesh, spec, *, where: str, name: str = "batch") -> None:
     """Raises a ``ValueError`` naming the leaf unless every leaf of ``tree`` can be laid out by ``spec``.
 

@@ -1,5 +1,9 @@
 """Data-parallel training steps over a ``jax.shard_map`` mesh axis (ZeRO stage 0).
 
+``axis`` is one mesh axis name, or a pair ``("hosts", "local")`` of a :func:`hierarchical_mesh` (the batch and the
+per-rank optimizer rows are split over both; ``jonebit.onebit_adam(axis_name=("hosts", "local"))`` then compresses
+hierarchically).
+
 The forward/backward pass runs in the per-device view on the local batch shard. Replicated params are
 cast to *varying* before differentiation so autodiff does not insert a full-precision all-reduce of
 the gradients; the optimizer then owns all communication: ``grad_reduce=None`` hands each rank's local
@@ -18,11 +22,14 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jonebit.sharding.mesh import check_batch, data_mesh
+from jonebit.sharding.mesh import check_batch, data_mesh, hierarchical_mesh
 from jonebit.sharding.zero import place_copy
 from jonebit.transforms.onebit_adam import sharded_init
 
-__all__ = ["data_mesh", "init_optimizer", "make_step", "make_update", "replicate", "shard_batch"]
+__all__ = ["data_mesh", "hierarchical_mesh", "init_optimizer", "make_step", "make_update", "replicate",
+           "shard_batch"]
+
+Axis = str | tuple[str, ...]
 
 _REDUCE = (None, "mean", "mean_bf16")
 
@@ -41,7 +48,28 @@ def replicate(tree, mesh: jax.sharding.Mesh):
     return place_copy(tree, jax.NamedSharding(mesh, P()))
 
 
-def shard_batch(tree, mesh: jax.sharding.Mesh, axis: str = "data"):
+def _axes(axis: Axis, mesh: jax.sharding.Mesh, where: str) -> tuple[str, ...]:
+    """``axis`` as a tuple of mesh axis names, each checked to be in ``mesh``."""
+    names = tuple(axis) if isinstance(axis, tuple | list) else (axis,)
+    for name in names:
+        if name not in mesh.shape:
+            raise ValueError(f"{where}: mesh has no axis {name!r} (axes: {tuple(mesh.shape)})")
+    return names
+
+
+def _size(axis: Axis, mesh: jax.sharding.Mesh, where: str) -> int:
+    size = 1
+    for name in _axes(axis, mesh, where):
+        size *= mesh.shape[name]
+    return size
+
+
+def _spec(axis: Axis) -> P:
+    """The batch/rows layout: leading dimension over ``axis`` (both axes of a pair, in order)."""
+    return P(tuple(axis)) if isinstance(axis, tuple | list) else P(axis)
+
+
+def shard_batch(tree, mesh: jax.sharding.Mesh, axis: Axis = "data"):
     """Puts a global batch (leading dimension divisible by the axis size) on the mesh, split over ``axis``.
 
     The result has its own buffers (``jax.device_put`` hands back an array that already has this layout, and
@@ -50,12 +78,11 @@ def shard_batch(tree, mesh: jax.sharding.Mesh, axis: str = "data"):
     Args:
       tree: pytree of arrays, each with a leading batch dimension.
       mesh: the mesh; ``axis`` must be one of its axes.
-      axis: the data-parallel axis the batch is split over.
+      axis: the data-parallel axis the batch is split over, or a pair ``("hosts", "local")`` (split over both).
     """
-    if axis not in mesh.shape:
-        raise ValueError(f"shard_batch: mesh has no axis {axis!r} (axes: {tuple(mesh.shape)})")
-    check_batch(tree, mesh, P(axis), where="shard_batch", name="tree")
-    return place_copy(tree, jax.NamedSharding(mesh, P(axis)))
+    _axes(axis, mesh, "shard_batch")
+    check_batch(tree, mesh, _spec(axis), where="shard_batch", name="tree")
+    return place_copy(tree, jax.NamedSharding(mesh, _spec(axis)))
 
 
 def _check_grads(grads, params, size: int) -> None:
@@ -72,9 +99,11 @@ def _check_grads(grads, params, size: int) -> None:
                 f"{expected} (one row per rank of the {size}-device axis, then the parameter's shape)"
             )
 
-def init_optimizer(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh, axis: str = "data"):
-    """``(opt_state, specs)``: the optimizer state as global arrays and its shard_map specs."""
-    return sharded_init(tx, params, mesh, axis)
+def init_optimizer(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh, axis: Axis = "data"):
+    """``(opt_state, specs)``: the optimizer state as global arrays and its shard_map specs (per-rank rows over
+    ``axis``: one axis, or both of a ``("hosts", "local")`` pair)."""
+    _axes(axis, mesh, "init_optimizer")
+    return sharded_init(tx, params, mesh, tuple(axis) if isinstance(axis, list) else axis)
 
 
 def make_step(
@@ -83,7 +112,7 @@ def make_step(
     mesh: jax.sharding.Mesh,
     opt_specs,
     *,
-    axis: str = "data",
+    axis: Axis = "data",
     grad_reduce: str | None = None,
     donate: bool = True,
 ):
@@ -93,6 +122,7 @@ def make_step(
       loss_fn: ``loss_fn(params, local_batch) -> scalar`` mean loss of the local batch shard.
       tx: the optimizer; with ``grad_reduce=None`` it must do its own communication (``jonebit.onebit_adam``).
       mesh: mesh with the data axis ``axis``.
+      axis: the data-parallel mesh axis, or the pair ``("hosts", "local")`` of a :func:`hierarchical_mesh`.
       opt_specs: specs of the optimizer state (from :func:`init_optimizer`).
       grad_reduce: ``None`` (local gradients to ``tx``), ``"mean"`` (fp32 allreduce) or ``"mean_bf16"``.
       donate: donate params and optimizer state buffers.
@@ -101,6 +131,9 @@ def make_step(
     """
     if grad_reduce not in _REDUCE:
         raise ValueError(f"grad_reduce must be one of {_REDUCE}, got {grad_reduce!r}")
+    _axes(axis, mesh, "make_step")
+    axis = tuple(axis) if isinstance(axis, list) else axis
+    spec = _spec(axis)
 
     def body(params, opt_state, batch):
         local = lax.pcast(params, axis, to="varying")
@@ -112,16 +145,16 @@ def make_step(
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, axis)
 
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), opt_specs, P(axis)), out_specs=(P(), opt_specs, P()))
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), opt_specs, spec), out_specs=(P(), opt_specs, P()))
 
     def step(params, opt_state, batch):
-        check_batch(batch, mesh, P(axis), where="make_step's step")  # shapes are static: checked while tracing
+        check_batch(batch, mesh, spec, where="make_step's step")  # shapes are static: checked while tracing
         return mapped(params, opt_state, batch)
 
     return jax.jit(step, donate_argnums=(0, 1) if donate else ())
 
 
-def make_update(tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, opt_specs, *, axis: str = "data",
+def make_update(tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, opt_specs, *, axis: Axis = "data",
                 grad_reduce: str | None = None):
     """The optimizer step alone, ``update(params, opt_state, local_grads)``, with grads stacked per rank.
 
@@ -130,6 +163,9 @@ def make_update(tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, opt_s
     """
     if grad_reduce not in _REDUCE:
         raise ValueError(f"grad_reduce must be one of {_REDUCE}, got {grad_reduce!r}")
+    size = _size(axis, mesh, "make_update")
+    axis = tuple(axis) if isinstance(axis, list) else axis
+    spec = _spec(axis)
 
     def body(params, opt_state, grads):
         grads = jax.tree.map(lambda g: g[0], grads)
@@ -140,10 +176,10 @@ def make_update(tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, opt_s
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), opt_specs, P(axis)), out_specs=(P(), opt_specs))
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), opt_specs, spec), out_specs=(P(), opt_specs))
 
     def update(params, opt_state, local_grads):
-        _check_grads(local_grads, params, mesh.shape[axis])
+        _check_grads(local_grads, params, size)
         return mapped(params, opt_state, local_grads)
 
     return jax.jit(update, donate_argnums=(0, 1))

@@ -29,6 +29,11 @@ usual way), or in each MPI process when ``mpi_comm`` is given. :func:`state_spec
 ``PartitionSpec`` tree that carries the state in and out of ``shard_map``: ``m``, ``v`` and the count
 are replicated, the error buffers differ per rank and live on a leading device axis.
 
+With ``axis_name=("hosts", "local")`` (a 2-D mesh) the compression is hierarchical
+(:mod:`jonebit.comm.hierarchical`): the momentum is averaged over ``local`` in float32, only each local shard is
+compressed across ``hosts``, and the packed result is gathered back over ``local``. Warmup, the non-finite flag and
+the error buffers' rows span both axes.
+
 References:
   Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's Convergence Speed",
   ICML 2021, https://arxiv.org/abs/2102.02888.
@@ -55,6 +60,13 @@ from jonebit.comm.compressed import (
     compressed_allreduce_rows_many,
     decode_segments,
     padded_size,
+)
+from jonebit.comm.hierarchical import (
+    HierarchicalBackend,
+    check_axis_pair,
+    decode_hierarchical,
+    error_sizes,
+    hierarchical_allreduce_rows_many,
 )
 from jonebit.sharding.zero import _per_rank_rule, register_per_rank_state
 from jonebit.transforms.onebit_zero import (
@@ -243,14 +255,18 @@ def _flatten(tree) -> jax.Array:
     return jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
 
 
-def _error_buffers(sizes, world_size: int):
+def _error_buffers(sizes, backend):
     """Zero worker/server errors, leading axis 1, for buffers of the given lengths."""
+    if isinstance(backend, HierarchicalBackend):  # errors of one local shard (see jonebit.comm.hierarchical)
+        lengths = lambda n: error_sizes(n, backend.hosts.size, backend.local_size)  # noqa: E731
+    else:
+        lengths = lambda n: (padded_size(n, backend.size), padded_size(n, backend.size) // backend.size)  # noqa: E731
 
     def worker(n):
-        return jnp.zeros((1, padded_size(n, world_size)), jnp.float32)
+        return jnp.zeros((1, lengths(n)[0]), jnp.float32)
 
     def server(n):
-        return jnp.zeros((1, padded_size(n, world_size) // world_size), jnp.float32)
+        return jnp.zeros((1, lengths(n)[1]), jnp.float32)
 
     return jax.tree.map(worker, sizes), jax.tree.map(server, sizes)
 
@@ -290,16 +306,28 @@ def _vma_checked(axis_name: str) -> bool:
     return checked
 
 
+def _mesh_axes(backend) -> tuple[str, ...]:
+    """The shard_map mesh axes a backend reduces over (none for MPI)."""
+    if isinstance(backend, HierarchicalBackend):
+        return backend.axis_name
+    if isinstance(backend, AxisBackend):
+        return (backend.axis_name,)
+    return ()
+
+
 def _check_local_grads(grads, backend: Backend) -> None:
     """Refuses gradients that are typed as identical on all ranks (already all-reduced)."""
-    if not isinstance(backend, AxisBackend) or not _vma_checked(backend.axis_name):
+    axes = _mesh_axes(backend)
+    if not axes or not _vma_checked(axes[0]):
         return
+    name = axes[0] if len(axes) == 1 else axes
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
-        if backend.axis_name not in varying_axes(g):
+        reduced = [a for a in axes if a not in varying_axes(g)]
+        if reduced:
             raise ValueError(
                 f"onebit_adam: gradient {jax.tree_util.keystr(path)} is invariant over axis "
-                f"{backend.axis_name!r}, i.e. already all-reduced. 1-bit Adam needs each rank's local gradient: "
-                f"inside shard_map, cast replicated params with jax.lax.pcast(params, {backend.axis_name!r}, "
+                f"{reduced[0]!r}, i.e. already all-reduced. 1-bit Adam needs each rank's local gradient: "
+                f"inside shard_map, cast replicated params with jax.lax.pcast(params, {name!r}, "
                 "to='varying') before jax.grad (otherwise autodiff inserts a full-precision psum)."
             )
 
@@ -346,7 +374,7 @@ def onebit_adam(
     bias_correction: bool = True,
     fused: bool = False,
     max_grad_norm: float | None = None,
-    axis_name: str | None = "data",
+    axis_name: str | tuple[str, str] | None = "data",
     mpi_comm: Any = None,
     error_feedback: bool = True,
     amsgrad: bool = False,
@@ -391,7 +419,12 @@ def onebit_adam(
         compression stage each rank's local gradient (no averaged gradient exists there). ``None``/``0``: no
         clipping. Not available with ``zero_stage >= 1`` (put ``optax.clip_by_global_norm`` in front instead,
         which clips the local gradient in both stages).
-      axis_name: the ``jax.shard_map`` mesh axis of the data-parallel ranks.
+      axis_name: the ``jax.shard_map`` mesh axis of the data-parallel ranks, or a pair ``(hosts, local)`` of
+        axes of a 2-D mesh for hierarchical compression (:mod:`jonebit.comm.hierarchical`): the first is the slow
+        inter-host axis, crossed only by 1-bit data, the second the fast axis inside a host, over which the
+        momentum is averaged in float32 first (build the mesh with :func:`jonebit.sharding.mesh.hierarchical_mesh`;
+        shard the batch and the state's rows over both axes, ``P(("hosts", "local"))``). Stage 0 only
+        (``zero_stage=0``, no ``mpi_comm``). Warmup averages over both axes in float32 as usual.
       mpi_comm: an mpi4py communicator; when given, the collectives go through MPI (mpi4jax) instead.
       error_feedback: keep the error buffers (the algorithm). ``False`` is for studying their effect only.
       amsgrad: not supported by 1-bit Adam; ``True`` raises.
@@ -451,8 +484,25 @@ def onebit_adam(
         _check_bool(name, value)
     if nonfinite not in NONFINITE_MODES:
         raise ValueError(f"onebit_adam: nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
-    if axis_name is not None and not isinstance(axis_name, str):
-        raise TypeError(f"onebit_adam: axis_name must be a mesh axis name (str), got {axis_name!r}")
+    hierarchical = isinstance(axis_name, tuple | list)
+    if hierarchical:
+        axis_name = check_axis_pair(axis_name, "onebit_adam")
+        if mpi_comm is not None:
+            raise ValueError(
+                f"onebit_adam: hierarchical compression (axis_name={axis_name!r}) runs over the two axes of a "
+                "shard_map mesh and cannot be combined with mpi_comm; pass axis_name=None with mpi_comm for flat "
+                "MPI compression, or drop mpi_comm"
+            )
+        if zero_stage:
+            raise ValueError(
+                f"onebit_adam: hierarchical compression (axis_name={axis_name!r}) is available with zero_stage=0 "
+                f"only, got zero_stage={zero_stage!r}; use zero_stage=0, or a single data axis name for ZeRO"
+            )
+    elif axis_name is not None and not isinstance(axis_name, str):
+        raise TypeError(
+            f"onebit_adam: axis_name must be a mesh axis name (str), got {axis_name!r}; or a pair (hosts_axis, "
+            "local_axis) for hierarchical compression"
+        )
     exp_avg_mask = _normalise_mask(exp_avg_mask)
     decays = not (_is_number(weight_decay) and weight_decay == 0)
     if mpi_comm is not None:
@@ -475,6 +525,11 @@ def onebit_adam(
             f"onebit_adam: max_grad_norm is not available with zero_stage={zero_stage}; clip the local gradient "
             "in front instead: optax.chain(optax.clip_by_global_norm(norm), onebit_adam(...))"
         )
+
+    def make_backend():
+        if hierarchical:
+            return HierarchicalBackend(*axis_name)
+        return get_backend(axis_name, mpi_comm)
 
     def _check_params(params):
         _check_float_leaves(params, "param")
@@ -526,16 +581,16 @@ def onebit_adam(
 
     def init_fn(params):
         _check_params(params)
-        backend = get_backend(axis_name, mpi_comm)
+        backend = make_backend()
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         if fused:
             n = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
             if n == 0:
                 raise ValueError("onebit_adam: the params have no elements")
-            worker, server = _error_buffers(n, backend.size)
+            worker, server = _error_buffers(n, backend)
         else:
             sizes = jax.tree.map(lambda p: int(np.prod(p.shape)), params)
-            worker, server = _error_buffers(sizes, backend.size)
+            worker, server = _error_buffers(sizes, backend)
         return OneBitAdamState(
             count=jnp.zeros([], jnp.int32), mu=zeros, nu=jax.tree.map(jnp.copy, zeros),
             worker_error=worker, server_error=server, skipped=jnp.zeros([], jnp.int32),
@@ -544,6 +599,8 @@ def onebit_adam(
     def compress(backend, m_local, worker_error, server_error):
         """Compressed allreduce of the momentum tree; returns (m, worker_error, server_error)."""
 
+        if isinstance(backend, HierarchicalBackend):
+            return compress_hierarchical(backend, m_local, worker_error, server_error)
         if fused:
             # One compressed allreduce of the flattened tree, decoded straight into the leaves (no full-length
             # decoded vector to split).
@@ -567,6 +624,27 @@ def onebit_adam(
         return (treedef.unflatten(m), treedef.unflatten([we[None] for we in wes]),
                 treedef.unflatten([se[None] for se in ses]))
 
+    def compress_hierarchical(backend, m_local, worker_error, server_error):
+        """:func:`compress` on a hosts x local mesh: one buffer (fused) or one per leaf, sharing the collectives."""
+        leaves, treedef = jax.tree.flatten(m_local)
+        if fused:
+            bufs, wes, ses = [_flatten(m_local)], [worker_error[0]], [server_error[0]]
+        else:
+            bufs = [jnp.ravel(x) for x in leaves]
+            wes = [we[0] for we in treedef.flatten_up_to(worker_error)]
+            ses = [se[0] for se in treedef.flatten_up_to(server_error)]
+        rows, wes, ses = hierarchical_allreduce_rows_many(backend, bufs, wes, ses)
+        if not error_feedback:
+            wes, ses = [jnp.zeros_like(we) for we in wes], [jnp.zeros_like(se) for se in ses]
+        decoded = [decode_hierarchical(r, b.shape[0]) for r, b in zip(rows, bufs, strict=True)]
+        if fused:
+            bounds = np.cumsum([0, *[x.size for x in leaves]])
+            parts = [decoded[0][int(a):int(b)] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+            m = treedef.unflatten([p.reshape(x.shape).astype(x.dtype) for p, x in zip(parts, leaves, strict=True)])
+            return m, wes[0][None], ses[0][None]
+        m = treedef.unflatten([d.reshape(x.shape).astype(x.dtype) for d, x in zip(decoded, leaves, strict=True)])
+        return m, treedef.unflatten([we[None] for we in wes]), treedef.unflatten([se[None] for se in ses])
+
     def update_fn(grads, state, params=None):
         if decays and params is None:
             raise ValueError("onebit_adam: weight_decay needs params; call update(grads, state, params)")
@@ -574,15 +652,15 @@ def onebit_adam(
         _check_matching_grads(grads, state.mu, "optimizer state (the params given to init)")
         if params is not None:
             _check_matching_grads(grads, params, "params")
-        backend = get_backend(axis_name, mpi_comm)
+        backend = make_backend()
         _check_local_grads(grads, backend)
         mask = _mask_leaves(exp_avg_mask, grads)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         worker_error, server_error = state.worker_error, state.server_error
-        if isinstance(backend, AxisBackend):
+        for axis in _mesh_axes(backend):
             # Errors differ per rank; fresh zeros from init in the same body are still typed invariant.
-            worker_error = jax.tree.map(lambda e: as_varying(e, backend.axis_name), worker_error)
-            server_error = jax.tree.map(lambda e: as_varying(e, backend.axis_name), server_error)
+            worker_error = jax.tree.map(lambda e, a=axis: as_varying(e, a), worker_error)
+            server_error = jax.tree.map(lambda e, a=axis: as_varying(e, a), server_error)
 
         def warmup(_):
             g = _clip(backend.mean(grads))
@@ -653,11 +731,12 @@ def is_onebit_state(x) -> bool:
     return isinstance(x, OneBitAdamState | OneBitAdamZeroState)
 
 
-def state_specs(opt_state, axis_name: str = "data"):
+def state_specs(opt_state, axis_name: str | tuple[str, str] = "data"):
     """``PartitionSpec`` tree that carries an optimizer state in and out of ``shard_map`` as global arrays.
 
     Error buffers of every :class:`OneBitAdamState` in the tree get ``P(axis_name)`` (one row per rank on the
-    leading axis); states registered with :func:`jonebit.sharding.zero.register_per_rank_state` (0/1 Adam, 1-bit
+    leading axis; for a hierarchical pair ``("hosts", "local")``, ``P(("hosts", "local"))``: one row per device,
+    in mesh order); states registered with :func:`jonebit.sharding.zero.register_per_rank_state` (0/1 Adam, 1-bit
     LAMB) get their rule's specs; everything else, here and in other transforms of an ``optax.chain``, is
     replicated ``P()``.
     Works on arrays and ``jax.ShapeDtypeStruct`` trees alike.
@@ -684,8 +763,13 @@ def state_specs(opt_state, axis_name: str = "data"):
             )
         return P()
 
-    if not isinstance(axis_name, str):
-        raise TypeError(f"state_specs: axis_name must be a mesh axis name (str), got {axis_name!r}")
+    if isinstance(axis_name, tuple | list):
+        axis_name = check_axis_pair(axis_name, "state_specs")
+    elif not isinstance(axis_name, str):
+        raise TypeError(
+            f"state_specs: axis_name must be a mesh axis name (str), got {axis_name!r}; or a pair (hosts_axis, "
+            "local_axis) for hierarchical compression"
+        )
     if isinstance(opt_state, optax.GradientTransformation):
         raise TypeError("state_specs: got an optax.GradientTransformation; pass its state (tx.init(params)) instead")
     def is_leaf(x):
@@ -694,12 +778,14 @@ def state_specs(opt_state, axis_name: str = "data"):
     return jax.tree.map(spec, opt_state, is_leaf=is_leaf)
 
 
-def sharded_init(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh, axis_name: str = "data"):
+def sharded_init(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh,
+                 axis_name: str | tuple[str, str] = "data"):
     """Runs ``tx.init`` in the per-device view and returns the state as global arrays.
 
     Replicated leaves come back replicated over ``mesh``; per-rank error buffers come back as
-    ``(P, ...)`` arrays sharded over ``axis_name``. Returns ``(opt_state, specs)`` with ``specs`` from
-    :func:`state_specs`, ready for the ``in_specs``/``out_specs`` of a ``shard_map`` training step.
+    ``(P, ...)`` arrays sharded over ``axis_name`` (both axes of a hierarchical pair: ``P = H * L`` rows).
+    Returns ``(opt_state, specs)`` with ``specs`` from :func:`state_specs`, ready for the
+    ``in_specs``/``out_specs`` of a ``shard_map`` training step.
     """
     replicated = jax.NamedSharding(mesh, P())
     params = jax.device_put(params, replicated)
