@@ -27,6 +27,35 @@ def message_rounds(ops: list[str], group: int) -> int:
     return sum(per_op.get(op, group - 1) for op in ops)
 
 
+# gloo runs these as rings over the group's order (each member sends to the next); all-to-all goes directly
+# from every member to every other.
+RING_OPS = ("all-reduce", "reduce-scatter", "all-gather")
+
+
+def host_link_bytes(collectives, hosts: list[int]) -> float:
+    """Bytes one host sends over its link per run of the collectives (the mean over hosts).
+
+    ``hosts[i]`` is the host of device ``i`` (device ids as in the collectives' replica groups). A ring op's
+    member sends its whole :attr:`bytes_sent` to the next member of its group, which crosses the link only when
+    that member is on another host; an all-to-all member splits its bytes evenly over the other members. With one
+    device per host this is the per-device accounting; with several, the part of a ring that stays inside a
+    host does not count.
+    """
+    sent = dict.fromkeys(hosts, 0.0)
+    for c in collectives:
+        groups = c.groups if c.groups is not None else (tuple(range(len(hosts))),)
+        for group in groups:
+            if len(group) < 2:
+                continue
+            for k, dev in enumerate(group):
+                if c.op in RING_OPS:
+                    crossing = float(hosts[group[(k + 1) % len(group)]] != hosts[dev])
+                else:
+                    crossing = sum(hosts[o] != hosts[dev] for o in group) / (len(group) - 1)
+                sent[hosts[dev]] += c.total_bytes_sent * crossing
+    return sum(sent.values()) / len(sent)
+
+
 def predict(compute_s: float, wire_bytes: float, rate: str | float, latency_s: float = 0.0, rounds: int = 0) -> float:
     """Step time of the model. ``rate``: a tc rate string or bits per second."""
     bits = rate_bits(rate) if isinstance(rate, str) else float(rate)
@@ -54,12 +83,19 @@ def spread(times: list[float]) -> dict:
     return dict(median=med, min=min(times), max=max(times), spread=(max(times) - min(times)) / med, n=len(times))
 
 
+def host_bytes(worker: dict, variant: str, stage: str) -> float:
+    """Bytes one host sends over its link per step: the workers' ring-aware count where they made one, else the
+    per-device accounting (exact with one device per host)."""
+    per_host = worker.get("host_bytes_per_step")
+    return per_host[variant][stage] if per_host else worker["comm_bytes_per_step"][variant][stage]
+
+
 def expected_phase_bytes(worker: dict, phase: int) -> float:
-    """Bytes one host should send in a phase: every step it ran times its stage's accounted bytes."""
+    """Bytes one host should send in a phase: every step it ran times its stage's bytes over the link."""
     total = 0.0
     for name, rec in worker["phases"][phase]["variants"].items():
         for stage, n in rec["dist_steps"].items():
-            total += n * worker["comm_bytes_per_step"][name][stage]
+            total += n * host_bytes(worker, name, stage)
     return total
 
 
@@ -72,9 +108,10 @@ def summarise(runs: list[dict], rates: list[str]) -> dict:
         for k, rate in enumerate(rates):
             per_host = []
             for i, w in enumerate(run["workers"]):
-                # The accounting is per device; with one device per host that is what crosses the host's link.
-                # With several, part of a ring stays inside the host: no per-host expectation is made.
-                want = expected_phase_bytes(w, k) if w.get("devices", hosts) == hosts else 0.0
+                # Per-device accounting is what crosses a host's link only with one device per host; with
+                # several the workers' ring-aware per-host count is needed (older records lack it).
+                exact = w.get("devices", hosts) == hosts or "host_bytes_per_step" in w
+                want = expected_phase_bytes(w, k) if exact else 0.0
                 up = counters[k + 1]["up"][i] - counters[k]["up"][i]
                 down = counters[k + 1]["down"][i] - counters[k]["down"][i]
                 per_host.append(dict(host=i, accounted=want, qdisc_up=up, qdisc_down=down,
@@ -85,7 +122,7 @@ def summarise(runs: list[dict], rates: list[str]) -> dict:
         for k, rate in enumerate(rates):
             for name, rec in w0["phases"][k]["variants"].items():
                 for stage, times in rec["dist_s"].items():
-                    acct = w0["comm_bytes_per_step"][name][stage]
+                    acct = host_bytes(w0, name, stage)
                     compute = statistics.median(rec["local_s"][stage])
                     m = spread(times)
                     model = predict(compute, acct * overhead[rate], rate)
@@ -99,23 +136,27 @@ def summarise(runs: list[dict], rates: list[str]) -> dict:
 
 
 def whole_run(rows: list[dict], warmup_fraction: float = 0.15) -> list[dict]:
-    """Time of a run with ``warmup_fraction`` of its steps in 1-bit Adam's warmup stage, relative to Adam's
-    (from the per-step medians, measured and modelled)."""
+    """Time of a run with ``warmup_fraction`` of its steps in a staged optimizer's warmup stage, relative to
+    Adam's (from the per-step medians, measured and modelled), for every staged variant."""
     out = []
     by = {(r["hosts"], r["rate"], r["variant"], r["stage"]): r for r in rows}
     mix = lambda w, c: warmup_fraction * w + (1 - warmup_fraction) * c  # noqa: E731
+    staged = list(dict.fromkeys(r["variant"] for r in rows if r["stage"] == "compression"))
     for (hosts, rate, variant, _), adam in by.items():
-        warm, comp = by.get((hosts, rate, "onebit", "warmup")), by.get((hosts, rate, "onebit", "compression"))
-        if variant != "adam" or warm is None or comp is None:
+        if variant != "adam":
             continue
-        measured = mix(warm["measured"]["median"], comp["measured"]["median"])
-        row = dict(hosts=hosts, rate=rate, warmup_fraction=warmup_fraction,
-                   speedup=adam["measured"]["median"] / measured,
-                   model_speedup=adam["model_s"] / mix(warm["model_s"], comp["model_s"]))
-        if all("model_unshaped_s" in r for r in (adam, warm, comp)):
-            row["model_unshaped_speedup"] = adam["model_unshaped_s"] / mix(warm["model_unshaped_s"],
-                                                                          comp["model_unshaped_s"])
-        out.append(row)
+        for name in staged:
+            warm, comp = by.get((hosts, rate, name, "warmup")), by.get((hosts, rate, name, "compression"))
+            if warm is None or comp is None:
+                continue
+            measured = mix(warm["measured"]["median"], comp["measured"]["median"])
+            row = dict(hosts=hosts, rate=rate, variant=name, warmup_fraction=warmup_fraction,
+                       speedup=adam["measured"]["median"] / measured,
+                       model_speedup=adam["model_s"] / mix(warm["model_s"], comp["model_s"]))
+            if all("model_unshaped_s" in r for r in (adam, warm, comp)):
+                row["model_unshaped_speedup"] = adam["model_unshaped_s"] / mix(warm["model_unshaped_s"],
+                                                                              comp["model_unshaped_s"])
+            out.append(row)
     return out
 
 
@@ -197,9 +238,10 @@ def tables(report: dict) -> str:
                    f"{r['compute_s']:.3f} | {m['median']:.3f} [{m['min']:.3f}-{m['max']:.3f}] | {r['model_s']:.3f} | "
                    f"{_opt(r, 'model_unshaped_s', '.3f')} | {_opt(r, 'measured_over_model_unshaped', '.2f')} | "
                    f"{fit} | {sp} |")
-    out += ["", "| hosts | rate | whole-run speedup of 1-bit Adam over Adam, 15% warmup: measured (A, B) |",
-            "|---|---|---|"]
-    out += [f"| {w['hosts']} | {w['rate']} | {w['speedup']:.2f}x ({w['model_speedup']:.2f}x, "
+    out += ["", "| hosts | rate | optimizer | whole-run speedup over Adam, 15% warmup: measured (A, B) |",
+            "|---|---|---|---|"]
+    out += [f"| {w['hosts']} | {w['rate']} | {w.get('variant', 'onebit')} | {w['speedup']:.2f}x "
+            f"({w['model_speedup']:.2f}x, "
             f"{_opt(w, 'model_unshaped_speedup', '.2f', 'x')}) |" for w in report["whole_run"]]
     out += ["", "| hosts | rate | host | accounted MB sent | qdisc MB up | qdisc MB down | up / accounted |",
             "|---|---|---|---|---|---|---|"]

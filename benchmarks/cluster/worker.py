@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
+from benchmarks.cluster.model import host_link_bytes  # noqa: E402
 from jonebit import onebit_adam  # noqa: E402
 from jonebit.comm.accounting import comm_report  # noqa: E402
 from jonebit.sharding.mesh import initialize_distributed  # noqa: E402
@@ -57,12 +58,19 @@ class Variant:
     make_tx: object
     grad_reduce: str | None
     stages: tuple[str, ...] = ("step",)
-    make_mesh: object = None  # make_mesh(devices) -> Mesh with a "data" axis; None: flat 1-D over the devices
+    make_mesh: object = None  # make_mesh(devices) -> Mesh with the axes of `axis`; None: flat 1-D over the devices
+    axis: str | tuple[str, str] = "data"  # the data-parallel axis (or hierarchical pair) of make_step
 
     def mesh(self, devices):
         if self.make_mesh is not None:
             return self.make_mesh(devices)
         return jax.make_mesh((len(devices),), ("data",), axis_types=(AxisType.Explicit,), devices=devices)
+
+    def stage_collectives(self, report) -> dict[str, tuple]:
+        """The collectives of one step of each stage (unconditional ones plus the stage's branch)."""
+        if self.stages == ("step",):
+            return {"step": tuple(report.always)}
+        return {s: (*report.always, *report.branches[0][_ONEBIT_BRANCH[s]]) for s in self.stages}
 
     def stage_bytes(self, report) -> dict[str, float]:
         """Bytes each rank sends per step of each stage, from the compiled step's collectives."""
@@ -77,6 +85,16 @@ class Variant:
         return {s: report.ops(_ONEBIT_BRANCH[s]) for s in self.stages}
 
 
+HIER_AXES = ("hosts", "local")
+
+
+def hosts_mesh(devices):
+    """``hosts x local``: one row per process, so the ``local`` axis never leaves a host."""
+    procs = sorted({d.process_index for d in devices})
+    rows = [sorted((d for d in devices if d.process_index == q), key=lambda d: d.id) for q in procs]
+    return jax.sharding.Mesh(np.array(rows), ("hosts", "local"), axis_types=(AxisType.Explicit,) * 2)
+
+
 LR = 1e-4
 VARIANTS = {
     "adam": Variant(lambda freeze: optax.adam(LR), "mean"),
@@ -84,6 +102,9 @@ VARIANTS = {
     # compiled program and the qdisc counters both show it); a GPU sends bf16.
     "adam_bf16": Variant(lambda freeze: optax.adam(LR), "mean_bf16"),
     "onebit": Variant(lambda freeze: onebit_adam(LR, freeze_step=freeze, fused=True), None, ("warmup", "compression")),
+    # Hierarchical: fp32 reduce-scatter inside a host, 1-bit allreduce across hosts, all-gathers back.
+    "onebit_hier": Variant(lambda freeze: onebit_adam(LR, freeze_step=freeze, fused=True, axis_name=HIER_AXES),
+                           None, ("warmup", "compression"), make_mesh=hosts_mesh, axis=HIER_AXES),
 }
 
 
@@ -137,9 +158,10 @@ class Runner:
 
     def __init__(self, loss_fn, variant: Variant, params, mesh, local_batch, freeze_step: int):
         self.variant = variant
-        state, specs = init_optimizer(variant.make_tx(freeze_step), params, mesh)
-        step = make_step(loss_fn, variant.make_tx(freeze_step), mesh, specs, grad_reduce=variant.grad_reduce)
-        sharding = jax.NamedSharding(mesh, P("data"))
+        state, specs = init_optimizer(variant.make_tx(freeze_step), params, mesh, axis=variant.axis)
+        step = make_step(loss_fn, variant.make_tx(freeze_step), mesh, specs, grad_reduce=variant.grad_reduce,
+                         axis=variant.axis)
+        sharding = jax.NamedSharding(mesh, P(variant.axis))
         self.batch = {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local_batch.items()}
         self.initial = replicate(params, mesh), state
         self.compiled = step.lower(*self.initial, self.batch).compile()
@@ -189,7 +211,7 @@ def main(args) -> None:
     if args.batch % jax.local_device_count():
         raise SystemExit(f"--batch {args.batch} must be divisible by the {jax.local_device_count()} devices per host")
     freeze = args.repeats + 1  # the warmup stage: one untimed step, then `repeats` timed ones
-    runners, comm, ops = {}, {}, {}
+    runners, comm, ops, host_bytes = {}, {}, {}, {}
     t0 = time.perf_counter()
     for name in args.variants:
         v = VARIANTS[name]
@@ -199,11 +221,14 @@ def main(args) -> None:
         runners[name] = dist, local
         report = comm_report(dist.compiled.as_text(), mesh.size)
         comm[name], ops[name] = v.stage_bytes(report), v.stage_ops(report)
+        hosts = [d.process_index for d in mesh.devices.flat]
+        host_bytes[name] = {s: host_link_bytes(c, hosts) for s, c in v.stage_collectives(report).items()}
     compile_s = time.perf_counter() - t0
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     result = dict(process_id=pid, num_processes=jax.process_count(), devices=jax.device_count(), model=args.model,
                   params=n_params, batch_per_host=args.batch, seq=args.seq, repeats=args.repeats,
-                  compile_s=compile_s, comm_bytes_per_step=comm, collectives=ops, phases=[])
+                  compile_s=compile_s, comm_bytes_per_step=comm, host_bytes_per_step=host_bytes, collectives=ops,
+                  phases=[])
     for phase in range(args.phases):
         rate = barrier(sync_dir, phase, pid, args.barrier_timeout)
         record = dict(rate=rate, variants={})

@@ -222,6 +222,29 @@ def test_cluster_tears_down_on_error_in_body_and_never_raises(tmp_path):
 # ---------------------------------------------------------------------------------------------- bandwidth model
 
 
+def test_host_link_bytes_rings_and_all_to_all():
+    """Per-host link bytes, by hand: a ring member sends everything to the next member, an all-to-all member an
+    equal share to every other; groups inside a host cost nothing on the link."""
+    from jonebit.comm.accounting import Collective
+
+    two_by_two = [0, 0, 1, 1]  # devices 0, 1 on host 0; 2, 3 on host 1
+    ar = Collective("all-reduce", 4000, 4, "main")  # each member sends 2 * 3/4 * 4000 = 6000
+    # ring 0 -> 1 -> 2 -> 3 -> 0: one crossing edge out of each host
+    assert model.host_link_bytes([ar], two_by_two) == pytest.approx(6000)
+    # one device per host: every edge crosses, the per-device accounting
+    assert model.host_link_bytes([ar], [0, 1, 2, 3]) == pytest.approx(6000)
+    # interleaved hosts (0, 1, 0, 1): every edge crosses, both devices of a host send
+    assert model.host_link_bytes([ar], [0, 1, 0, 1]) == pytest.approx(12000)
+    a2a = Collective("all-to-all", 4000, 4, "main")  # each member sends 3/4 * 4000 = 3000, 1000 to each other
+    assert model.host_link_bytes([a2a], two_by_two) == pytest.approx(2 * 2000)
+    local = Collective("reduce-scatter", 1000, 2, "main", groups=((0, 1), (2, 3)))
+    across = Collective("all-gather", 1000, 2, "main", groups=((0, 2), (1, 3)))  # each sends 500, all crossing
+    assert model.host_link_bytes([local], two_by_two) == 0
+    assert model.host_link_bytes([across, local], two_by_two) == pytest.approx(2 * 500)
+    looped = Collective("all-to-all", 4000, 4, "main", trips=3)
+    assert model.host_link_bytes([looped], two_by_two) == pytest.approx(3 * 4000)
+
+
 def test_predict_and_rounds():
     # 10 MB at 200 Mbit/s is 0.4 s on the wire
     assert model.predict(0.25, 10e6, "200mbit") == pytest.approx(0.65)
@@ -415,6 +438,42 @@ def test_variant_stage_bytes_match_formulas():
     flag = ring * 1  # 1-bit Adam's non-finite flag: one 4-byte all-reduce per step, in both stages
     assert got["onebit"]["warmup"] == pytest.approx(ring * n + loss + flag)
     assert got["onebit"]["compression"] == pytest.approx(compressed_bytes_per_rank(n, p) + loss + flag)
+
+
+def test_hierarchical_variant_sends_only_one_bit_between_hosts():
+    """The hierarchical row on 2 hosts x 2 devices: in compression only the 1-bit exchange of each device's
+    half crosses hosts (plus the loss and flag scalars), 1/2 of what flat compression over 4 devices sends
+    out of a host; warmup crosses like the flat fp32 all-reduce."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from benchmarks.cluster import worker
+    from jonebit.comm import compressed_bytes_per_rank
+    from jonebit.comm.accounting import comm_report
+    from jonebit.comm.hierarchical import shard_size
+
+    params = {"w": np.ones((64, 33), np.float32), "b": np.zeros((33,), np.float32)}
+    n = 64 * 33 + 33
+    devices = jax.devices()[:4]
+    two_by_two = [0, 0, 1, 1]
+    hier = dataclasses.replace(
+        worker.VARIANTS["onebit_hier"],
+        make_mesh=lambda devs: jax.sharding.Mesh(np.array(devs).reshape(2, 2), worker.HIER_AXES,
+                                                 axis_types=(jax.sharding.AxisType.Explicit,) * 2))
+    got = {}
+    for name, v in (("flat", worker.VARIANTS["onebit"]), ("hier", hier)):
+        runner = worker.Runner(lambda q, b: jax.numpy.mean((b["x"] @ q["w"] + q["b"]) ** 2), v, params,
+                               v.mesh(devices), {"x": np.ones((8, 64), np.float32)}, freeze_step=2)
+        report = comm_report(runner.compiled.as_text(), 4)
+        got[name] = {s: model.host_link_bytes(c, two_by_two) for s, c in v.stage_collectives(report).items()}
+        assert runner.step() > 0
+    scalars = 2 * 2 * 3 / 4 * 4  # loss mean + non-finite flag: 4-byte rings over 4 devices, one edge per host
+    assert got["hier"]["compression"] == pytest.approx(2 * compressed_bytes_per_rank(shard_size(n, 2), 2) + scalars)
+    # flat: the all-to-all's and all-gather's bytes, 2 devices per host; the all-gather is a ring (one edge out)
+    assert got["hier"]["compression"] < 0.6 * got["flat"]["compression"]
+    assert got["hier"]["warmup"] == pytest.approx(got["flat"]["warmup"])
 
 
 @pytest.mark.slow
