@@ -376,6 +376,7 @@ def make_train_step(
         raise TypeError(f"loss_scaling must be a LossScaling or None, got {type(loss_scaling).__name__}")
     scaling = loss_scaling if loss_scaling is not None else LossScaling(dynamic=False, static_scale=1.0)
     k = int(accumulation_steps)
+    unit_scale = not scaling.dynamic and scaling.static_scale == 1.0  # fp32 / bf16: no loss scaling to apply
     ranks = mesh.shape[axis]
     stage = _check_zero_args(zero_stage, offload_optimizer, "make_train_step")
 
@@ -405,7 +406,7 @@ def make_train_step(
             out = loss_fn(cast, micro) if rng is None else loss_fn(cast, micro, rng)
             loss, aux = out if has_aux else (out, None)
             loss = jnp.asarray(loss, jnp.float32)
-            return loss * scale, (loss, aux)
+            return (loss if unit_scale else loss * scale), (loss, aux)
 
         (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
         return loss, aux, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
@@ -433,6 +434,8 @@ def make_train_step(
             zeros = lax.pcast(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), local), axis, to="varying")
             # Per-micro-batch losses (and aux) come out stacked: k scalars, not k gradients.
             g_sum, (losses, auxes) = lax.scan(accumulate, zeros, (micro, jnp.arange(k)))
+        if unit_scale and k == 1:  # nothing to undo: skip a pass over the gradients
+            return g_sum, losses, auxes
         inv = 1.0 / (k * scale)
         return jax.tree.map(lambda g: g * inv, g_sum), losses, auxes
 
@@ -470,10 +473,11 @@ def make_train_step(
             new = optax.apply_updates(tx_params, updates)
             return (FlatParams(chunks=tuple(new), layout=state.params.layout) if flat else new), opt_state
 
-        def skip(_):
-            return state.params, state.opt_state
-
-        params, opt_state = lax.cond(overflow, skip, apply, None)
+        # A skipped step keeps every leaf: a select rather than a conditional, so that it fuses into the
+        # update's elementwise loops (a conditional materialises its result and copies the donated buffers).
+        new_params, new_opt = apply(None)
+        params = jax.tree.map(lambda old, upd: jnp.where(overflow, old, upd), state.params, new_params)
+        opt_state = jax.tree.map(lambda old, upd: jnp.where(overflow, old, upd), state.opt_state, new_opt)
         new = TrainState(
             step=state.step + 1,
             params=params,
