@@ -9,7 +9,9 @@ One call of the step built by :func:`make_train_step` is one *optimizer* step, a
    float32 and summed. Nothing is communicated per micro-batch.
 2. With fp16 the loss is multiplied by the current loss scale before differentiation and the summed gradient
    is divided by it (and by the number of micro-batches).
-3. **One scalar all-reduce** tells every rank whether any rank's gradient holds an inf or a NaN. If so the
+3. The squared global norm of the gradient, which every rank needs anyway (``grad_norm``, clipping) and gets
+   from its one scalar reduction, tells every rank whether any rank's gradient holds an inf or a NaN (or is so
+   large that its square overflows float32, as DeepSpeed's overflow check also counts). If so the
    step is skipped on every rank together: parameters and the whole optimizer state (moments, 1-bit error
    buffers, the optimizer's own count) stay bit-identical, the skip is counted, and with dynamic loss scaling
    the scale is cut. Otherwise the gradient goes to the optimizer: averaged first with ``grad_reduce="mean"``
@@ -282,6 +284,14 @@ def _global_norm_sq(tree) -> jax.Array:
     return sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree))
 
 
+def _overflow(norm_sq) -> jax.Array:
+    """Whether to skip the step: the squared norm of the gradient, which every rank holds after its one scalar
+    reduction, is not finite exactly when some rank's gradient holds an inf or a nan, or is so large that its
+    square overflows float32 (norm > ~1.8e19; DeepSpeed's overflow check also counts that). Reading it from the
+    norm saves a pass over the gradients and a collective."""
+    return ~jnp.isfinite(norm_sq)
+
+
 def _axis_dim(spec, axis: str) -> int | None:
     for d, entry in enumerate(spec):
         if entry == axis or (isinstance(entry, tuple) and axis in entry):
@@ -366,6 +376,7 @@ def make_train_step(
         raise TypeError(f"loss_scaling must be a LossScaling or None, got {type(loss_scaling).__name__}")
     scaling = loss_scaling if loss_scaling is not None else LossScaling(dynamic=False, static_scale=1.0)
     k = int(accumulation_steps)
+    unit_scale = not scaling.dynamic and scaling.static_scale == 1.0  # fp32 / bf16: no loss scaling to apply
     ranks = mesh.shape[axis]
     stage = _check_zero_args(zero_stage, offload_optimizer, "make_train_step")
 
@@ -395,7 +406,7 @@ def make_train_step(
             out = loss_fn(cast, micro) if rng is None else loss_fn(cast, micro, rng)
             loss, aux = out if has_aux else (out, None)
             loss = jnp.asarray(loss, jnp.float32)
-            return loss * scale, (loss, aux)
+            return (loss if unit_scale else loss * scale), (loss, aux)
 
         (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
         return loss, aux, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
@@ -423,13 +434,10 @@ def make_train_step(
             zeros = lax.pcast(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), local), axis, to="varying")
             # Per-micro-batch losses (and aux) come out stacked: k scalars, not k gradients.
             g_sum, (losses, auxes) = lax.scan(accumulate, zeros, (micro, jnp.arange(k)))
+        if unit_scale and k == 1:  # nothing to undo: skip a pass over the gradients
+            return g_sum, losses, auxes
         inv = 1.0 / (k * scale)
-        grads = jax.tree.map(lambda g: g * inv, g_sum)
-
-        # One scalar collective: does any rank hold a non-finite gradient?
-        local_bad = sum(jnp.any(~jnp.isfinite(g)).astype(jnp.int32) for g in jax.tree.leaves(grads))
-        overflow = lax.psum(local_bad, axis) > 0
-        return grads, overflow, losses, auxes
+        return jax.tree.map(lambda g: g * inv, g_sum), losses, auxes
 
     def loss_metrics(losses, auxes, scale, overflow, grad_norm):
         metrics = {
@@ -450,23 +458,26 @@ def make_train_step(
         else:
             local, tx_params = lax.pcast(state.params, axis, to="varying"), state.params
         scale = state.loss_scale.scale
-        grads, overflow, losses, auxes = local_grads(local, state.step, scale, batch)
+        grads, losses, auxes = local_grads(local, state.step, scale, batch)
 
         if grad_reduce == "mean":
             grads = lax.pmean(grads, axis)
-            grad_norm = jnp.sqrt(_global_norm_sq(grads))
+            norm_sq = _global_norm_sq(grads)
         else:
-            grad_norm = jnp.sqrt(lax.pmean(_global_norm_sq(grads), axis))
+            norm_sq = lax.pmean(_global_norm_sq(grads), axis)
+        grad_norm = jnp.sqrt(norm_sq)
+        overflow = _overflow(norm_sq)
 
         def apply(_):
             updates, opt_state = tx.update(grads, state.opt_state, tx_params)
             new = optax.apply_updates(tx_params, updates)
             return (FlatParams(chunks=tuple(new), layout=state.params.layout) if flat else new), opt_state
 
-        def skip(_):
-            return state.params, state.opt_state
-
-        params, opt_state = lax.cond(overflow, skip, apply, None)
+        # A skipped step keeps every leaf: a select rather than a conditional, so that it fuses into the
+        # update's elementwise loops (a conditional materialises its result and copies the donated buffers).
+        new_params, new_opt = apply(None)
+        params = jax.tree.map(lambda old, upd: jnp.where(overflow, old, upd), state.params, new_params)
+        opt_state = jax.tree.map(lambda old, upd: jnp.where(overflow, old, upd), state.opt_state, new_opt)
         new = TrainState(
             step=state.step + 1,
             params=params,
@@ -625,7 +636,7 @@ def _zero_step(local_grads, loss_metrics, tx, mesh, specs: TrainState, scaling: 
                 lambda p, s: p if _axis_dim(s, axis) is None else lax.all_gather(
                     p.astype(dtype), axis, axis=_axis_dim(s, axis), tiled=True), params, param_specs)
             local = jax.tree.map(lambda p: as_varying(p, axis), local)
-            grads, overflow, losses, auxes = local_grads(local, step_count, scale, batch)
+            grads, losses, auxes = local_grads(local, step_count, scale, batch)
 
             def reduce(g, gspec):
                 d = _axis_dim(gspec, axis)
@@ -639,7 +650,7 @@ def _zero_step(local_grads, loss_metrics, tx, mesh, specs: TrainState, scaling: 
             whole = [g for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(grad_specs, is_leaf=_is_p),
                                        strict=True) if _axis_dim(s, axis) is None]
             norm_sq = _global_norm_sq(whole) + (lax.psum(_global_norm_sq(sharded), axis) if sharded else 0.0)
-            return grads, loss_metrics(losses, auxes, scale, overflow, jnp.sqrt(norm_sq))
+            return grads, loss_metrics(losses, auxes, scale, _overflow(norm_sq), jnp.sqrt(norm_sq))
 
         grads, metrics = jax.shard_map(
             grads_body, mesh=mesh, in_specs=(param_specs, P(), P(), P(axis)), out_specs=(grad_specs, P()),

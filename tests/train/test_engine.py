@@ -193,6 +193,29 @@ def test_nonfinite_on_one_rank_skips_everywhere_and_training_continues_exactly(b
     assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(final))
 
 
+@pytest.mark.parametrize("grad_reduce", ["mean", None])
+@pytest.mark.parametrize("bad", ["nan", "-inf", "huge"])
+def test_overflow_flag_from_the_norm(bad, grad_reduce):
+    """The skip decision is read from the reduced squared norm: a nan or an inf in one rank's gradient, and a
+    finite gradient whose square overflows float32, skip the step on every rank; a large but representable
+    gradient does not."""
+    mesh = data_mesh()
+    # local gradients are for the 1-bit optimizers (they communicate themselves)
+    tx = optax.sgd(1e-3) if grad_reduce else jonebit.onebit_adam(1e-3, freeze_step=1)
+    state, specs = init_train_state(tx, _params(), mesh)
+    step = make_train_step(lambda p, b: loss_fn(p, b) * b["w"][0], tx, mesh, specs, grad_reduce=grad_reduce,
+                           donate=False)
+    b = dict(_batch(N * 2, 0), w=np.ones((N * 2,), np.float32))
+    b["w"][6:8] = {"nan": np.nan, "-inf": -np.inf, "huge": 1e25}[bad]  # rank 3's rows (two per rank)
+    new, m = step(state, b)
+    assert bool(m["skipped"]) and int(new.skipped) == 1
+    assert _leaves_equal(new.params, state.params)
+    b["w"][6:8] = 1e6  # the norm grows by about 1e6 / 8 and stays finite: a real update
+    new, m = step(state, b)
+    assert not bool(m["skipped"]) and np.isfinite(float(m["grad_norm"])) and float(m["grad_norm"]) > 1e3
+    assert not _leaves_equal(new.params, state.params)
+
+
 def test_bf16_compute_keeps_fp32_master_and_tracks_fp32():
     batches = [_batch(N * 4, s) for s in range(6)]
     s32, m32 = _run(optax.adam(1e-2), batches)
