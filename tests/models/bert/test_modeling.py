@@ -119,6 +119,42 @@ def test_dropout_train_and_eval():
     )
 
 
+def test_rowwise_attention_matches_batched(monkeypatch):
+    """CPU evaluation with large score tensors attends one example at a time: the same outputs and gradients as
+    the batched form, padding included; with dropout active the batched form (and its dropout) is kept."""
+    from jonebit.models.bert import modeling
+
+    ids, mask = _batch(np.random.default_rng(2))
+    model = BertForQuestionAnswering(_tiny(), rngs=nnx.Rngs(params=0, dropout=1))
+
+    def loss(m):
+        out = m(ids, mask, deterministic=True)
+        return jnp.mean(out.start_logits ** 2 + out.end_logits)
+
+    graphdef, state = nnx.split(model)
+    # float32 scores [examples, heads, seq, seq]: of the whole batch, or of one example
+    batched, one_example = (f"tensor<{n}x2x{ids.shape[1]}x{ids.shape[1]}xf32>" for n in (ids.shape[0], 1))
+
+    def hlo(deterministic):
+        fwd = lambda st, i, m_: nnx.merge(graphdef, st)(i, m_, deterministic=deterministic).start_logits  # noqa: E731
+        return jax.jit(fwd).lower(state, ids, mask).as_text()
+
+    results = {}
+    for threshold in (1 << 62, 0):  # never, always
+        monkeypatch.setattr(modeling, "ROWWISE_SCORE_BYTES", threshold)
+        assert modeling._rowwise_attention(ids.shape[0], 2, ids.shape[1]) == (threshold == 0)
+        value, grads = nnx.jit(nnx.value_and_grad(loss))(model)
+        results[threshold] = value, jax.tree.leaves(grads), one_example in hlo(True)
+    (v0, g0, loop0), (v1, g1, loop1) = results[1 << 62], results[0]
+    assert not loop0 and loop1  # the row-wise form really ran (scores of one example at a time)
+    np.testing.assert_allclose(v1, v0, rtol=1e-6)
+    for a, b in zip(g0, g1, strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+    # Training mode with dropout: batched, and dropout still applies.
+    assert one_example not in hlo(False) and batched in hlo(False)
+    assert not np.allclose(model(ids, mask).start_logits, model(ids, mask, deterministic=True).start_logits)
+
+
 def test_input_errors():
     model = BertModel(_tiny(), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="exceeds max_position_embeddings 32"):
