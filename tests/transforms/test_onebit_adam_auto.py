@@ -19,7 +19,7 @@ from tests.transforms.test_onebit_hierarchical import stepper as hier_stepper
 
 # Fires on the rule itself (between min_step and max_step) on these random gradients: b2 = 0.9 lets ||v|| settle
 # within a few checks.
-RULE = dict(min_step=6, max_step=60, check_every=3, threshold=0.08, patience=2)
+RULE = dict(min_step=6, max_step=60, check_every=3, threshold=0.2, patience=2)
 B2 = 0.9
 
 
