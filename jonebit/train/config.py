@@ -27,6 +27,11 @@ DeepSpeed ``optimizer.type``    jonebit
 Types are matched case-insensitively, as DeepSpeed does. ``gradient_clipping > 0`` puts
 ``optax.clip_by_global_norm`` first in the chain (see :func:`build_optimizer` for what it clips with the 1-bit
 optimizers).
+
+``freeze_step: "auto"`` (OneBitAdam, OneBitLamb; jonebit only, ZeRO stage 0): the optimizer decides the freeze
+point by :class:`jonebit.AutoFreeze`, whose fields an optional ``auto_freeze`` object sets (``min_step``,
+``max_step``, ``check_every``, ``threshold``, ``patience``; update counts as jonebit counts them). Elsewhere
+``"auto"`` is the HuggingFace Trainer's placeholder and is refused with a hint to give the number.
 """
 
 from __future__ import annotations
