@@ -212,3 +212,22 @@ def test_int_freeze_step_state_is_unchanged():
 def test_bad_auto_arguments(kwargs, err, match):
     with pytest.raises(err, match=match):
         onebit_adam(1e-3, **kwargs)
+
+
+@pytest.mark.mpi
+@pytest.mark.multiprocess
+def test_mpi_decides_like_shard_map_and_logs_on_rank_zero(tmp_path):
+    """mpi_comm with "auto" under mpirun -np 2: the same decision and parameters as the shard_map run (bitwise: two
+    ranks sum in the same order), identical on both ranks, logged by rank 0 only."""
+    from tests.mpi_util import run_mpi
+
+    world, steps = 2, 24
+    out = run_mpi(world, __file__.replace("test_onebit_adam_auto.py", "mpi_adam_auto_worker.py"), tmp_path, steps,
+                  "perleaf", timeout=240)
+    *_, params, state, ref, _ = run_auto(world, fused=False, steps=steps)
+    assert out.count("compression starts after update") == 1 and "rank0 freeze_step='auto'" in out
+    for r in range(world):
+        got = np.load(tmp_path / f"rank{r}.npz")
+        assert int(got["freeze_at"]) == int(state.freeze_at) == ref.decided
+        for k, v in params.items():
+            np.testing.assert_array_equal(got[f"params/{k}"], np.asarray(v), err_msg=f"rank {r} {k}")
