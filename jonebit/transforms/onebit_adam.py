@@ -761,7 +761,8 @@ def onebit_adam(
         new_state = OneBitAdamState(
             count=jnp.where(bad, count, optax.safe_int32_increment(count)), mu=mu, nu=nu,
             worker_error=worker_error, server_error=server_error, skipped=state.skipped + bad.astype(jnp.int32),
-            **(dict(zip(("freeze_at", "variance_norms", "calm_checks"), decision, strict=True)) if rule is not None else {}),
+            **(dict(zip(("freeze_at", "variance_norms", "calm_checks"), decision, strict=True))
+               if rule is not None else {}),
         )
         return updates, new_state
 

@@ -104,6 +104,7 @@ BASE = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
 ONEBIT = {"train_batch_size": 32, "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 10}}}
 ZERO_ONE = {"train_batch_size": 32, "optimizer": {"type": "ZeroOneAdam", "params": {"lr": 1e-3}}}
+AUTO1 = {"train_batch_size": 32, "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": "auto"}}}
 LAMB1 = {"train_batch_size": 32, "optimizer": {"type": "OnebitLamb", "params": {"lr": 1e-3, "freeze_step": 10}}}
 
 
@@ -208,21 +209,21 @@ BAD = [
     # freeze_step "auto" (jonebit only) and its auto_freeze rule
     (edit(ONEBIT, "optimizer.params.freeze_step", "never"), "optimizer.params.freeze_step",
      r"expected an integer or \"auto\", got 'never' \(str\)"),
-    (edit(edit(ONEBIT, "optimizer.params.freeze_step", "auto"), "optimizer.params.auto_freeze", {"min_stpe": 3}), "optimizer.params.auto_freeze.min_stpe",
+    (edit(AUTO1, "optimizer.params.auto_freeze", {"min_stpe": 3}), "optimizer.params.auto_freeze.min_stpe",
      r"unknown key; auto_freeze takes min_step, max_step, check_every, threshold, patience"),
-    (edit(edit(ONEBIT, "optimizer.params.freeze_step", "auto"), "optimizer.params.auto_freeze", {"threshold": 0}), "optimizer.params.auto_freeze.threshold",
+    (edit(AUTO1, "optimizer.params.auto_freeze", {"threshold": 0}), "optimizer.params.auto_freeze.threshold",
      r"expected a number > 0, got 0"),
-    (edit(edit(ONEBIT, "optimizer.params.freeze_step", "auto"), "optimizer.params.auto_freeze", {"patience": 0}), "optimizer.params.auto_freeze.patience",
+    (edit(AUTO1, "optimizer.params.auto_freeze", {"patience": 0}), "optimizer.params.auto_freeze.patience",
      r"expected an integer >= 1, got 0"),
-    (edit(edit(ONEBIT, "optimizer.params.freeze_step", "auto"), "optimizer.params.auto_freeze", {"check_every": "10"}), "optimizer.params.auto_freeze.check_every",
+    (edit(AUTO1, "optimizer.params.auto_freeze", {"check_every": "10"}), "optimizer.params.auto_freeze.check_every",
      r"expected an integer, got '10' \(str\)"),
-    (edit(edit(ONEBIT, "optimizer.params.freeze_step", "auto"), "optimizer.params.auto_freeze", {"min_step": 50, "max_step": 10}),
+    (edit(AUTO1, "optimizer.params.auto_freeze", {"min_step": 50, "max_step": 10}),
      "optimizer.params.auto_freeze.max_step", r"max_step \(10\) must be >= min_step \(50\)"),
-    (edit(edit(ONEBIT, "optimizer.params.freeze_step", "auto"), "optimizer.params.auto_freeze", [10, 0.3]), "optimizer.params.auto_freeze",
+    (edit(AUTO1, "optimizer.params.auto_freeze", [10, 0.3]), "optimizer.params.auto_freeze",
      r"expected an object \{\.\.\.\}"),
     (edit(ONEBIT, "optimizer.params.auto_freeze", {"min_step": 3}), "optimizer.params.auto_freeze",
      r"applies to \"freeze_step\": \"auto\" only, got freeze_step \d+"),
-    (edit(edit(ONEBIT, "optimizer.params.freeze_step", "auto"), "zero_optimization", {"stage": 1}), "optimizer.params.freeze_step",
+    (edit(AUTO1, "zero_optimization", {"stage": 1}), "optimizer.params.freeze_step",
      r"\"auto\" is available at ZeRO stage 0 only, got zero_optimization.stage = 1"),
     (edit(edit(LAMB1, "optimizer.params.freeze_step", "auto"), "optimizer.params.auto_freeze", {"max_step": 0}),
      "optimizer.params.auto_freeze.max_step", r">= 1, got 0"),
