@@ -19,6 +19,7 @@ gap to Adam; the figure the training curves. Results: ``benchmarks/results/defau
 
     python benchmarks/defaults_convergence.py                 # 300 steps, ~15-25 min on 2 busy cores
     python benchmarks/defaults_convergence.py --steps 100     # a quicker look
+    python benchmarks/defaults_convergence.py --variants adam onebit_default onebit_auto onebit_auto_tuned --tag auto
 
 The same comparison on real text (issue: BERT-mini on the SQuAD training articles with the BERT uncased vocab):
 
