@@ -8,13 +8,18 @@ The embedded pre-training job of ``jonebit pretrain`` (a tiny BERT, MLM + NSP, o
   compression scale for the whole model (``bias_correction=False, fused=True``);
 * ``onebit_bias_fused``: bias correction on, still one scale for the whole model;
 * ``onebit_default``: jonebit's defaults, bias correction and one scale per tensor
-  (``bias_correction=True, fused=False``).
+  (``bias_correction=True, fused=False``);
+* ``onebit_auto``: the defaults with ``"freeze_step": "auto"`` and the default rule (``jonebit.AutoFreeze()``);
+* ``onebit_auto_tuned``: the same with the rule ``AUTO_TUNED`` (checks every 10 updates, threshold 0.3, at least
+  20 updates), chosen for a run of a few hundred steps. The table's ``freeze at`` column gives the update after
+  which compression started (from the metrics' ``stage``) and its share of the run.
 
 1-bit Adam freezes the variance after 20% of the steps. The table gives the held-out MLM loss at the end and the
 gap to Adam; the figure the training curves. Results: ``benchmarks/results/defaults_convergence.{json,png}``.
 
     python benchmarks/defaults_convergence.py                 # 300 steps, ~15-25 min on 2 busy cores
     python benchmarks/defaults_convergence.py --steps 100     # a quicker look
+    python benchmarks/defaults_convergence.py --variants adam onebit_default onebit_auto onebit_auto_tuned --tag auto
 
 The same comparison on real text (issue: BERT-mini on the SQuAD training articles with the BERT uncased vocab):
 
@@ -35,12 +40,17 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.common import RESULTS, write_json  # noqa: E402  (sets 8 CPU devices)
 
-VARIANTS = {  # name -> (optimizer type, bias_correction, fused)
+AUTO_TUNED = {"check_every": 10, "threshold": 0.3, "min_step": 20, "patience": 3}
+
+VARIANTS = {  # name -> (optimizer type, bias_correction, fused[, auto_freeze rule ({}: the default) for "auto"])
     "adam": ("Adam", None, None),
     "onebit_deepspeed": ("OneBitAdam", False, True),
     "onebit_bias_fused": ("OneBitAdam", True, True),
     "onebit_default": ("OneBitAdam", True, False),
+    "onebit_auto": ("OneBitAdam", True, False, {}),
+    "onebit_auto_tuned": ("OneBitAdam", True, False, AUTO_TUNED),
 }
+DEFAULT_VARIANTS = ["adam", "onebit_deepspeed", "onebit_bias_fused", "onebit_default"]
 
 
 def main(argv=None) -> int:
@@ -50,7 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
     ap.add_argument("--model", default="tiny", help="tiny|mini|small|... (default tiny)")
     ap.add_argument("--corpus", nargs="+", help="pre-training text (default: CPython's pydoc_data topics)")
     ap.add_argument("--vocab", help="BERT vocab.txt (default: a 2,000-token vocabulary trained on the corpus)")
@@ -74,11 +84,15 @@ def main(argv=None) -> int:
     configs = default_configs(args.steps, args.batch_size, lr=args.lr)
     rows, outputs = [], []
     for name in args.variants:
-        kind, bias, fused = VARIANTS[name]
+        kind, bias, fused, *auto = VARIANTS[name]
         cfg = json.loads(json.dumps(configs["adam" if kind == "Adam" else "onebit_adam"]))
         if kind == "OneBitAdam":
             cfg["optimizer"]["params"]["bias_correction"] = bias
             cfg["optimizer"]["params"]["freeze_step"] = max(2, int(args.steps * args.freeze)) + 1  # DeepSpeed's
+            if auto:
+                cfg["optimizer"]["params"]["freeze_step"] = "auto"
+                if auto[0]:
+                    cfg["optimizer"]["params"]["auto_freeze"] = auto[0]
         out = work / name
         shutil.rmtree(out, ignore_errors=True)  # each run starts fresh (the data cache is kept)
         print(f"\n== {name}", flush=True)
@@ -88,7 +102,12 @@ def main(argv=None) -> int:
                      eval_batches=args.eval_batches, eval_every=max(1, args.steps // 10))
         last = result.records[-1]
         tail = [r["loss"] for r in result.records[-max(1, len(result.records) // 10):]]
+        # The record of step n says the stage of the update after n - 1 updates.
+        first = next((r["step"] for r in result.records if r.get("stage") == "compression"), None)
+        freeze_at = None if kind != "OneBitAdam" else first - 1 if first is not None else args.steps
         rows.append({"variant": name, "bias_correction": bias, "fused": fused,
+                     "freeze": "auto" if auto else None if kind != "OneBitAdam" else "fixed",
+                     "auto_freeze": auto[0] if auto else None, "freeze_at": freeze_at,
                      "train_loss_tail": sum(tail) / len(tail), "heldout_mlm_loss": last.get("eval/mlm_loss"),
                      "heldout_mlm_accuracy": last.get("eval/mlm_accuracy"),
                      "nsp_accuracy": last.get("eval/nsp_accuracy"), "seconds": time.perf_counter() - t0,
@@ -96,11 +115,12 @@ def main(argv=None) -> int:
                      "eval_curve": [(r["step"], r["eval/mlm_loss"]) for r in result.records if "eval/mlm_loss" in r]})
         outputs.append(out)
     ref = next((r["heldout_mlm_loss"] for r in rows if r["variant"] == "adam"), None)
-    lines = ["| run | bias correction | fused | train loss (last 10%) | held-out MLM loss | vs Adam | MLM acc |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| run | bias correction | fused | freeze at | train loss (last 10%) | held-out MLM loss | vs Adam | "
+             "MLM acc |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         gap = f"{100 * (r['heldout_mlm_loss'] - ref) / ref:+.2f}%" if ref and r["heldout_mlm_loss"] else ""
-        lines.append(f"| {r['variant']} | {r['bias_correction']} | {r['fused']} | {r['train_loss_tail']:.3f} | "
+        at = "" if r["freeze_at"] is None else f"{r['freeze_at']} ({100 * r['freeze_at'] / args.steps:.0f}%)"
+        lines.append(f"| {r['variant']} | {r['bias_correction']} | {r['fused']} | {at} | {r['train_loss_tail']:.3f} | "
                      f"{r['heldout_mlm_loss']:.3f} | {gap} | {r['heldout_mlm_accuracy']:.3f} |")
     print("\n" + "\n".join(lines))
     payload = {"command": " ".join(["python", "benchmarks/defaults_convergence.py",

@@ -395,7 +395,8 @@ def run(
               f"{steps} steps and linear decay (peak lr {lr:g})")
     ds = load_config(cfg)
     onebit = ds.optimizer is not None and ds.optimizer.type == "OneBitAdam"
-    if onebit and ds.optimizer.params["freeze_step"] - 1 >= steps:
+    freeze = ds.optimizer.params["freeze_step"] if onebit else None
+    if onebit and freeze != "auto" and freeze - 1 >= steps:
         print(f"note: 1-bit Adam's freeze_step {ds.optimizer.params['freeze_step']} is past the {steps} steps of "
               "this run: it never reaches the compression stage (lower freeze_step or train longer)")
 

@@ -147,3 +147,33 @@ class NumpyOneBitAdamFull(NumpyOneBitAdam):
             u = (self.m[k] / c1) / (np.sqrt(self.v[k] / c2) + self.eps) + self.wd * before[k]
             self.params[k] = (before[k] - lr_t * u).astype(np.float32)
         return self.params
+
+
+class NumpyOneBitAdamAuto(NumpyOneBitAdamFull):
+    """:class:`NumpyOneBitAdamFull` with ``freeze_step="auto"``: after every warmup update the rule of
+    ``jonebit.AutoFreeze`` (``tests.reference_family.np_auto_freeze``, on the per-tensor ``||v||`` in float64) decides
+    whether that was the last warmup update; until it fires the freeze point is the cap ``max_step``. The variance's
+    bias correction then stops at the decided point."""
+
+    def __init__(self, params, p, *, rule: dict, **kwargs):
+        super().__init__(params, p, freeze_step=rule["max_step"], **kwargs)
+        self.rule, self.norms, self.decided = dict(rule), [], None
+
+    def _decide(self):
+        """After the moments of a warmup update are in (``self.count`` already counts it): apply the rule once."""
+        from tests.reference_family import np_auto_freeze
+
+        if self.decided is None and len(self.norms) < self.count <= self.freeze:
+            self.norms.append({k: float(np.sqrt(np.sum(self.v[k].astype(np.float64) ** 2))) for k in self.keys})
+            fired = np_auto_freeze(self.norms, **self.rule)
+            if fired is not None:
+                self.decided = self.freeze = fired
+
+    def variance_correction(self, t):
+        self._decide()  # the correction of the update that decided already stops at the decided point
+        return super().variance_correction(t)
+
+    def step(self, local_grads):
+        out = super().step(local_grads)
+        self._decide()  # (without bias correction variance_correction is not called)
+        return out

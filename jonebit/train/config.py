@@ -27,6 +27,11 @@ DeepSpeed ``optimizer.type``    jonebit
 Types are matched case-insensitively, as DeepSpeed does. ``gradient_clipping > 0`` puts
 ``optax.clip_by_global_norm`` first in the chain (see :func:`build_optimizer` for what it clips with the 1-bit
 optimizers).
+
+``freeze_step: "auto"`` (OneBitAdam, OneBitLamb; jonebit only, ZeRO stage 0): the optimizer decides the freeze
+point by :class:`jonebit.AutoFreeze`, whose fields an optional ``auto_freeze`` object sets (``min_step``,
+``max_step``, ``check_every``, ``threshold``, ``patience``; update counts as jonebit counts them). Elsewhere
+``"auto"`` is the HuggingFace Trainer's placeholder and is refused with a hint to give the number.
 """
 
 from __future__ import annotations
@@ -178,6 +183,39 @@ def _pos_int(v, k):
     return _int(v, k, minimum=1)
 
 
+def _freeze_step(v, k):
+    """DeepSpeed's ``freeze_step`` (an int), or jonebit's ``"auto"`` (switch when the variance has settled)."""
+    if isinstance(v, str) and v == "auto":
+        return v
+    if isinstance(v, str):
+        raise ConfigError(k, f"expected an integer or \"auto\", got {_describe(v)}")
+    return _int(v, k, minimum=1)
+
+
+_AUTO_FREEZE_KEYS = ("min_step", "max_step", "check_every", "threshold", "patience")
+
+
+def _auto_freeze(v, k):
+    """jonebit's ``auto_freeze`` rule for ``freeze_step: "auto"`` (the fields of :class:`jonebit.AutoFreeze`)."""
+    if v is None:
+        return None
+    v = _section(v, k)
+    unknown = [name for name in v if name not in _AUTO_FREEZE_KEYS]
+    if unknown:
+        raise ConfigError(_join(k, str(unknown[0])), f"unknown key; auto_freeze takes {', '.join(_AUTO_FREEZE_KEYS)}")
+    out = {}
+    for name in _AUTO_FREEZE_KEYS:
+        if name in v:
+            key = _join(k, name)
+            out[name] = _float(v[name], key, positive=True) if name == "threshold" else _int(v[name], key, minimum=1)
+    from jonebit.transforms.common import AutoFreeze
+
+    rule = AutoFreeze(**out)
+    if rule.max_step < rule.min_step:
+        raise ConfigError(_join(k, "max_step"), f"max_step ({rule.max_step}) must be >= min_step ({rule.min_step})")
+    return out
+
+
 def _nonneg_int(v, k):
     return _int(v, k, minimum=0)
 
@@ -237,7 +275,8 @@ COMM_BACKENDS = ("nccl", "mpi")
 
 _ONEBIT_ADAM_PARAMS = {
     "lr": Param(_nonneg_float, 1e-3),
-    "freeze_step": Param(_pos_int, 100000),
+    "freeze_step": Param(_freeze_step, 100000),
+    "auto_freeze": Param(_auto_freeze, None),  # jonebit only: the rule of freeze_step "auto"
     "betas": _BETAS,
     "eps": Param(_pos_float, 1e-8),
     "weight_decay": Param(_nonneg_float, 0.0),
@@ -251,7 +290,7 @@ _ONEBIT_ADAM_PARAMS = {
 
 # DeepSpeed's ZeroOneAdam and OnebitLamb take 1-bit Adam's common params (bias_correction is accepted and ignored by
 # both, so it defaults to false here) plus their schedules.
-_ONEBIT_COMMON = {k: v for k, v in _ONEBIT_ADAM_PARAMS.items() if k != "freeze_step"} | {
+_ONEBIT_COMMON = {k: v for k, v in _ONEBIT_ADAM_PARAMS.items() if k not in ("freeze_step", "auto_freeze")} | {
     "bias_correction": Param(_bool, False),
 }
 _ZERO_ONE_ADAM_PARAMS = _ONEBIT_COMMON | {
@@ -261,7 +300,8 @@ _ZERO_ONE_ADAM_PARAMS = _ONEBIT_COMMON | {
     "local_step_clipper": Param(_pos_int, 16),
 }
 _ONEBIT_LAMB_PARAMS = _ONEBIT_COMMON | {
-    "freeze_step": Param(_pos_int, 100000),
+    "freeze_step": Param(_freeze_step, 100000),
+    "auto_freeze": Param(_auto_freeze, None),
     "max_coeff": Param(_pos_float, 10.0),
     "min_coeff": Param(_nonneg_float, 0.01),
     "coeff_beta": Param(_nonneg_float, 0.9),
@@ -688,8 +728,19 @@ def _parse_optimizer(raw) -> OptimizerConfig:
     return OptimizerConfig(name, types.MappingProxyType(params))
 
 
+def _check_auto_freeze(params: dict, config: DeepSpeedConfig, path: str, name: str) -> None:
+    if params["auto_freeze"] is not None and params["freeze_step"] != "auto":
+        raise ConfigError(f"{path}.auto_freeze", f"applies to \"freeze_step\": \"auto\" only, got freeze_step "
+                          f"{params['freeze_step']!r}; set freeze_step to \"auto\" or drop auto_freeze")
+    if params["freeze_step"] == "auto" and config.zero_optimization.stage:
+        raise ConfigError(f"{path}.freeze_step", f"\"auto\" is available at ZeRO stage 0 only, got "
+                          f"zero_optimization.stage = {config.zero_optimization.stage}; give {name} an integer "
+                          "freeze_step, or set zero_optimization.stage to 0")
+
+
 def _check_onebit_adam(params: dict, config: DeepSpeedConfig, path: str) -> None:
-    if params["freeze_step"] < 2:
+    _check_auto_freeze(params, config, path, "OneBitAdam")
+    if params["freeze_step"] != "auto" and params["freeze_step"] < 2:
         raise ConfigError(f"{path}.freeze_step", f"expected >= 2, got {params['freeze_step']}: DeepSpeed's "
                           "freeze_step=F gives F - 1 full-precision Adam updates before compression, and 1-bit Adam "
                           "needs at least one to estimate the variance (use 15-25% of the training steps)")
@@ -709,7 +760,9 @@ def _check_onebit_family(name: str):
                               f"Adam the parameters during local steps, are whole on every rank); got stage "
                               f"{config.zero_optimization.stage}. Set zero_optimization.stage to 0, or use OneBitAdam "
                               "for stages 1-3")
-        if name == "OneBitLamb" and params["freeze_step"] < 2:
+        if name == "OneBitLamb":
+            _check_auto_freeze(params, config, path, name)
+        if name == "OneBitLamb" and params["freeze_step"] != "auto" and params["freeze_step"] < 2:
             raise ConfigError(f"{path}.freeze_step", f"expected >= 2, got {params['freeze_step']}: DeepSpeed's "
                               "freeze_step=F gives F - 1 full-precision LAMB updates before compression, and 1-bit "
                               "LAMB needs at least one to estimate the variance and the trust-ratio coefficients")
@@ -985,7 +1038,7 @@ def _build_onebit_adam(params: dict, learning_rate, options: dict) -> optax.Grad
     b1, b2 = params["betas"]
     return onebit_adam(
         learning_rate,
-        freeze_step=params["freeze_step"] - 1,  # DeepSpeed's first step() only initialises (module docstring)
+        **_freeze_kwargs(params),
         b1=b1, b2=b2, eps=params["eps"], weight_decay=params["weight_decay"],
         bias_correction=params["bias_correction"],
         exp_avg_mask=options.get("exp_avg_mask"),
@@ -995,6 +1048,17 @@ def _build_onebit_adam(params: dict, learning_rate, options: dict) -> optax.Grad
         mpi_comm=mpi_comm,
         zero_stage=options["zero_stage"],
     )
+
+
+def _freeze_kwargs(params: dict) -> dict:
+    """``freeze_step`` (DeepSpeed's ``F`` is ``F - 1`` here: its first ``step()`` only initialises, see the module
+    docstring), or ``"auto"`` with its ``auto_freeze`` rule (jonebit's update counts, not shifted)."""
+    if params["freeze_step"] == "auto":
+        from jonebit.transforms.common import AutoFreeze
+
+        rule = params.get("auto_freeze")
+        return {"freeze_step": "auto", "auto_freeze": AutoFreeze(**rule) if rule is not None else None}
+    return {"freeze_step": params["freeze_step"] - 1}
 
 
 def _onebit_comm(params: dict, options: dict):
@@ -1049,7 +1113,7 @@ def _build_onebit_lamb(params: dict, learning_rate, options: dict) -> optax.Grad
 
     return onebit_lamb(
         learning_rate,
-        freeze_step=params["freeze_step"] - 1,  # as for OneBitAdam: the first step() only initialises
+        **_freeze_kwargs(params),  # as for OneBitAdam
         max_coeff=params["max_coeff"], min_coeff=params["min_coeff"], coeff_beta=params["coeff_beta"],
         factor_max=params["factor_max"], factor_min=params["factor_min"],
         factor_threshold=params["factor_threshold"],
@@ -1157,14 +1221,17 @@ def describe(config: DeepSpeedConfig, dp_size: int, *, steps=None) -> str:
     if opt.type == "OneBitAdam":
         f = opt.params["freeze_step"]
         backend = "MPI (mpi4jax)" if opt.params["comm_backend_name"] == "mpi" else "jax collectives"
-        lines.append(f"  -> jonebit.onebit_adam(freeze_step={f - 1}): {f - 1} Adam updates, then 1-bit compression; "
-                     f"collectives: {backend}")
+        warm = (f"freeze_step=\"auto\"): Adam updates until the variance settles ({_auto_text(opt.params)})"
+                if f == "auto" else f"freeze_step={f - 1}): {f - 1} Adam updates")
+        lines.append(f"  -> jonebit.onebit_adam({warm}, then 1-bit compression; collectives: {backend}")
     if opt.type == "ZeroOneAdam":
         lines.append(f"  -> jonebit.zero_one_adam(var_freeze_step={opt.params['var_freeze_step']}): variance frozen "
                      "after that many updates, then local steps with 1-bit synchronisation")
     if opt.type == "OneBitLamb":
         f = opt.params["freeze_step"]
-        lines.append(f"  -> jonebit.onebit_lamb(freeze_step={f - 1}): {f - 1} LAMB updates, then 1-bit compression")
+        warm = (f"freeze_step=\"auto\"): LAMB updates until the variance settles ({_auto_text(opt.params)})"
+                if f == "auto" else f"freeze_step={f - 1}): {f - 1} LAMB updates")
+        lines.append(f"  -> jonebit.onebit_lamb({warm}, then 1-bit compression")
     sched = build_schedule(config.scheduler, opt)
     name = config.scheduler.type if config.scheduler else "constant"
     lines.append(f"schedule: {name}" + (" " + ", ".join(f"{k}={v}" for k, v in config.scheduler.params.items())
@@ -1177,3 +1244,11 @@ def describe(config: DeepSpeedConfig, dp_size: int, *, steps=None) -> str:
         lr = sched(s) if callable(sched) else sched
         lines.append(f"  update {s:>7d}: lr {float(lr):.6g}")
     return "\n".join(lines)
+
+
+def _auto_text(params) -> str:
+    from jonebit.transforms.common import AutoFreeze
+
+    rule = AutoFreeze(**(params.get("auto_freeze") or {}))
+    return (f"every {rule.check_every} updates, {rule.patience} checks with every ||v|| moving < "
+            f"{rule.threshold:g}; between {rule.min_step} and {rule.max_step} updates")

@@ -68,7 +68,8 @@ class Engine:
       state: the current :class:`~jonebit.train.engine.TrainState` (at ZeRO stage 3 with 1-bit Adam its params
         are :class:`~jonebit.train.onebit_zero.FlatParams`; ``state.params.tree()`` gives the ordinary tree).
       learning_rate: the schedule (a function of the optimizer's update count) or a constant.
-      freeze_step: jonebit's ``freeze_step`` of a 1-bit optimizer (DeepSpeed's minus one), else ``None``.
+      freeze_step: jonebit's ``freeze_step`` of a 1-bit optimizer (DeepSpeed's minus one), ``"auto"`` when the
+        optimizer decides it (see :func:`jonebit.train.loop.decided_freeze_step`), else ``None``.
       mesh: the data-parallel mesh.
     """
 
@@ -78,7 +79,7 @@ class Engine:
     step: Callable
     state: TrainState
     learning_rate: Any
-    freeze_step: int | None
+    freeze_step: int | str | None
     mesh: jax.sharding.Mesh
 
     def train(self, batches: ResumableIterator, loop: LoopConfig, **kw) -> TrainState:
@@ -166,7 +167,8 @@ def initialize(
                  for n in jax.tree.leaves(state.opt_state, is_leaf=_is_local_gradient_state))
     freeze_step = None
     if onebit and opt is not None and opt.type in _ONEBIT and "freeze_step" in opt.params:
-        freeze_step = int(opt.params["freeze_step"]) - 1
+        f = opt.params["freeze_step"]  # "auto": the loop reads the decided point from the optimizer state
+        freeze_step = "auto" if f == "auto" else int(f) - 1
     step = make_train_step(
         loss_fn, tx, mesh, specs, accumulation_steps=batch.gradient_accumulation_steps, compute_dtype=compute,
         loss_scaling=scaling, grad_reduce=None if onebit else "mean", axis=axis, has_aux=has_aux,

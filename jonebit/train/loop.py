@@ -151,7 +151,8 @@ class LoopConfig:
       async_checkpoint: write checkpoints in the background while training continues.
       progress_bar: show a tqdm bar.
       tensorboard: write TensorBoard event files.
-      freeze_step: the 1-bit optimizer's ``freeze_step`` (names the stage in the metrics); ``None`` for others.
+      freeze_step: the 1-bit optimizer's ``freeze_step`` (names the stage in the metrics); ``"auto"`` when the
+        optimizer decides it (the stage is then read from the optimizer state's ``freeze_at``); ``None`` for others.
       tokens_per_example: multiplies examples/s into ``tokens_per_s`` (e.g. the sequence length).
       eval_every: steps between calls of ``train``'s ``evaluate`` (0: only at the end when one is given); their
         results go into that step's metrics record as ``eval/<name>``.
@@ -167,7 +168,7 @@ class LoopConfig:
     async_checkpoint: bool = True
     progress_bar: bool = True
     tensorboard: bool = True
-    freeze_step: int | None = None
+    freeze_step: int | str | None = None
     tokens_per_example: int = 1
     eval_every: int = 0
 
@@ -177,9 +178,9 @@ class LoopConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
                 raise ValueError(f"LoopConfig.{name} must be an int >= {low}, got {value!r}")
-        if self.freeze_step is not None and (isinstance(self.freeze_step, bool) or not isinstance(
-                self.freeze_step, int | np.integer) or self.freeze_step < 1):
-            raise ValueError(f"LoopConfig.freeze_step must be an int >= 1 or None, got {self.freeze_step!r}")
+        if self.freeze_step is not None and self.freeze_step != "auto" and (isinstance(self.freeze_step, bool) or not
+                isinstance(self.freeze_step, int | np.integer) or self.freeze_step < 1):
+            raise ValueError(f"LoopConfig.freeze_step must be an int >= 1, \"auto\" or None, got {self.freeze_step!r}")
         if self.nonfinite not in ("skip", "raise"):
             raise ValueError(f"LoopConfig.nonfinite must be 'skip' or 'raise', got {self.nonfinite!r}")
         for name in ("async_checkpoint", "progress_bar", "tensorboard"):
@@ -441,6 +442,18 @@ def _truncate_metrics(path: pathlib.Path, step: int) -> None:
     path.write_text("".join(k + "\n" for k in keep))
 
 
+def decided_freeze_step(opt_state) -> int | None:
+    """The freeze point a 1-bit optimizer with ``freeze_step="auto"`` keeps in its state (``freeze_at``: the cap until
+    its rule fires, then the update it fired on); ``None`` if the state holds none."""
+    def is_leaf(x):
+        return hasattr(x, "freeze_at") and hasattr(x, "_fields")
+
+    for node in jax.tree.leaves(opt_state, is_leaf=is_leaf):
+        if is_leaf(node) and node.freeze_at is not None:
+            return int(jax.device_get(node.freeze_at))
+    return None
+
+
 def _record(n, state, metrics, config, lr_schedule, stage_bytes, examples_per_s, seconds_per_step) -> dict:
     m = jax.device_get(metrics)
     skipped = bool(m["skipped"])
@@ -450,7 +463,8 @@ def _record(n, state, metrics, config, lr_schedule, stage_bytes, examples_per_s,
     elif config.freeze_step is None:
         stage = "full"
     else:
-        stage = "warmup" if count < config.freeze_step else "compression"
+        freeze = config.freeze_step if config.freeze_step != "auto" else decided_freeze_step(state.opt_state)
+        stage = "warmup" if freeze is None or count < freeze else "compression"
     if callable(lr_schedule):
         lr = float(lr_schedule(count))
     else:

@@ -261,10 +261,17 @@ def auto_freeze_step(rule: AutoFreeze, count, nu, reference, calm_checks, freeze
 
 
 def _log_freeze(fired, done, backend: Backend) -> None:
-    """Logs the automatic freeze point once (rank 0 of a mesh axis; every MPI process logs its own)."""
+    """Logs the automatic freeze point once: on the device at index 0 of every mesh axis the backend reduces over
+    (one axis, or the ``(hosts, local)`` pair of hierarchical compression), or on MPI rank 0."""
     import logging
 
-    rank = jax.lax.axis_index(backend.axis_name) if isinstance(backend, AxisBackend) else jnp.zeros([], jnp.int32)
+    axes = getattr(backend, "axis_name", None)
+    if isinstance(axes, str):
+        axes = (axes,)
+    if axes:  # shard_map axes: the sum of the indices is 0 on one device only
+        rank = sum(jax.lax.axis_index(a) for a in axes)
+    else:  # MPI (one process per rank) or a single device
+        rank = jnp.asarray(int(getattr(backend, "rank", 0)), jnp.int32)
 
     def emit(fired, done, rank):
         if bool(fired) and int(rank) == 0:

@@ -69,6 +69,7 @@ from jonebit.comm.hierarchical import (
     hierarchical_allreduce_rows_many,
 )
 from jonebit.sharding.zero import _per_rank_rule, register_per_rank_state
+from jonebit.transforms.common import AutoFreeze, auto_freeze_step
 from jonebit.transforms.onebit_zero import (
     ZERO_STAGES,
     FlatLayout,
@@ -97,6 +98,11 @@ class OneBitAdamState(NamedTuple):
         ``fused=True``: one array ``(1, padded_size(N, P))``; ``fused=False``: a tree like the params.
       server_error: this rank's server error, ``(1, padded_size(n, P) // P)``, same layout as ``worker_error``.
       skipped: updates skipped because some rank's gradient was not finite (int32, replicated; not in ``count``).
+      freeze_at: with ``freeze_step="auto"``: the number of warmup updates (int32), the cap until the rule fires and
+        then the update it fired on (kept, so a resumed run continues the decision); ``None`` with an int
+        ``freeze_step`` (the state is then exactly as before).
+      variance_norms: with ``"auto"``: per tensor, ``||v||`` at the rule's last check; else ``None``.
+      calm_checks: with ``"auto"``: consecutive calm checks of the rule (int32); else ``None``.
     """
 
     count: jax.Array
@@ -105,6 +111,9 @@ class OneBitAdamState(NamedTuple):
     worker_error: Any
     server_error: Any
     skipped: jax.Array
+    freeze_at: Any = None
+    variance_norms: Any = None
+    calm_checks: Any = None
 
 
 NONFINITE_MODES = ("skip", "raise")
@@ -365,7 +374,7 @@ def _nonfinite_flag(backend, grads, momentum, mode: str):
 def onebit_adam(
     learning_rate: ScalarOrSchedule,
     *,
-    freeze_step: int,
+    freeze_step: int | str,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
@@ -380,6 +389,7 @@ def onebit_adam(
     amsgrad: bool = False,
     zero_stage: int | None = None,
     nonfinite: str = "skip",
+    auto_freeze: AutoFreeze | None = None,
 ) -> optax.GradientTransformation:
     r"""1-bit Adam (Tang et al., 2021) with DeepSpeed's semantics.
 
@@ -399,7 +409,10 @@ def onebit_adam(
       learning_rate: a float or an optax schedule of the update count (0-based).
       freeze_step: number of full-precision Adam updates before the variance is frozen and compression
         starts (>= 1). DeepSpeed's ``freeze_step=F`` gives ``F - 1`` real Adam updates, because its first
-        ``step()`` only initialises; to reproduce a DeepSpeed config pass ``F - 1``.
+        ``step()`` only initialises; to reproduce a DeepSpeed config pass ``F - 1``. ``"auto"``: switch when the
+        variance has settled, by the rule of ``auto_freeze`` (:class:`jonebit.AutoFreeze`, the rule 1-bit LAMB
+        uses), decided inside the compiled step identically on every rank, logged once and kept in the state
+        (``state.freeze_at``; a resumed run continues the decision). ZeRO stage 0 only.
       b1: momentum decay.
       b2: variance decay.
       eps: added to ``sqrt(v)`` (outside the square root).
@@ -439,6 +452,11 @@ def onebit_adam(
         it as well and raises ``FloatingPointError`` from the host, so the step call fails (with donated
         buffers the state passed in is gone: restore a checkpoint). Without it one bad element would spread to
         every parameter, moment and error buffer on every rank.
+      auto_freeze: the rule for ``freeze_step="auto"`` (default ``AutoFreeze()``): every ``check_every`` warmup
+        updates each tensor's ``||v||`` is compared with the previous check; after ``patience`` consecutive checks
+        whose largest relative change is below ``threshold`` compression starts, not before ``min_step`` and at
+        the latest after ``max_step`` updates. With ``bias_correction`` the variance correction is frozen at the
+        decided point. Only with ``freeze_step="auto"``.
 
     Returns:
       An ``optax.GradientTransformation`` whose ``update(local_grads, state, params)`` expects this rank's
@@ -461,8 +479,23 @@ def onebit_adam(
     _check_bool("amsgrad", amsgrad)
     if amsgrad:
         raise ValueError("onebit_adam: amsgrad is not supported by 1-bit Adam (the variance is frozen after warmup)")
+    rule = None
+    if isinstance(freeze_step, str):
+        if freeze_step != "auto":
+            raise ValueError(f"onebit_adam: freeze_step must be an int or \"auto\", got {freeze_step!r}")
+        if auto_freeze is not None and not isinstance(auto_freeze, AutoFreeze):
+            raise TypeError(f"onebit_adam: auto_freeze must be a jonebit.AutoFreeze, got {type(auto_freeze).__name__}")
+        rule = (auto_freeze if auto_freeze is not None else AutoFreeze()).checked("onebit_adam")
+        if zero_stage:
+            raise ValueError(
+                f"onebit_adam: freeze_step=\"auto\" is available with zero_stage=0 only, got zero_stage={zero_stage!r} "
+                "(the ZeRO layout keeps the variance in chunks); use zero_stage=0, or an int freeze_step with ZeRO")
+        freeze_step = rule.max_step  # the cap; the decided point lives in state.freeze_at
+    elif auto_freeze is not None:
+        raise ValueError(f"onebit_adam: auto_freeze applies to freeze_step=\"auto\" only, got "
+                         f"freeze_step={freeze_step!r}")
     if isinstance(freeze_step, bool) or not isinstance(freeze_step, int | np.integer):
-        raise TypeError(f"onebit_adam: freeze_step must be an int, got {freeze_step!r}")
+        raise TypeError(f"onebit_adam: freeze_step must be an int or \"auto\", got {freeze_step!r}")
     if freeze_step < 0:
         raise ValueError(f"onebit_adam: freeze_step must be >= 0, got {freeze_step}")
     if freeze_step == 0:
@@ -591,9 +624,14 @@ def onebit_adam(
         else:
             sizes = jax.tree.map(lambda p: int(np.prod(p.shape)), params)
             worker, server = _error_buffers(sizes, backend)
+        auto = {}
+        if rule is not None:
+            auto = dict(freeze_at=jnp.full([], rule.max_step, jnp.int32),
+                        variance_norms=jax.tree.map(lambda p: jnp.zeros([], jnp.float32), params),
+                        calm_checks=jnp.zeros([], jnp.int32))
         return OneBitAdamState(
             count=jnp.zeros([], jnp.int32), mu=zeros, nu=jax.tree.map(jnp.copy, zeros),
-            worker_error=worker, server_error=server, skipped=jnp.zeros([], jnp.int32),
+            worker_error=worker, server_error=server, skipped=jnp.zeros([], jnp.int32), **auto,
         )
 
     def compress(backend, m_local, worker_error, server_error):
@@ -662,11 +700,19 @@ def onebit_adam(
             worker_error = jax.tree.map(lambda e, a=axis: as_varying(e, a), worker_error)
             server_error = jax.tree.map(lambda e, a=axis: as_varying(e, a), server_error)
 
+        # With freeze_step="auto" the decision so far (else the static freeze_step and nothing to carry).
+        decision = (state.freeze_at, state.variance_norms, state.calm_checks) if rule is not None else ()
+        limit = state.freeze_at if rule is not None else freeze_step
+
         def warmup(_):
             g = _clip(backend.mean(grads))
             mu = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, state.mu, g)
             nu = jax.tree.map(lambda v, g: b2 * v + (1.0 - b2) * g * g, state.nu, g)
-            return mu, nu, worker_error, server_error
+            if rule is None:
+                return mu, nu, worker_error, server_error
+            freeze_at, norms, calm = auto_freeze_step(rule, count, nu, state.variance_norms, state.calm_checks,
+                                                      state.freeze_at, backend)
+            return mu, nu, worker_error, server_error, freeze_at, norms, calm
 
         def compression(_):
             mu = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, state.mu, _clip(grads))
@@ -679,7 +725,7 @@ def onebit_adam(
                 leaves, treedef = jax.tree.flatten(mu)
                 mu = treedef.unflatten([m if k is None else m * jnp.asarray(k, jnp.float32)
                                         for m, k in zip(leaves, mask, strict=True)])
-            return mu, state.nu, we, se
+            return (mu, state.nu, we, se, *decision)
 
         def _clip(g):
             if max_grad_norm is None:
@@ -694,13 +740,14 @@ def onebit_adam(
 
         def skip(_):  # some rank's gradient is not finite: every rank keeps its state
             on_skip(count)
-            return state.mu, state.nu, worker_error, server_error
+            return (state.mu, state.nu, worker_error, server_error, *decision)
 
         # Branch order as lax.cond(warmup?, warmup, compression) had it, the skip branch last.
-        index = jnp.where(bad, 2, jnp.where(count < freeze_step, 1, 0))
-        mu, nu, worker_error, server_error = lax.switch(index, (compression, warmup, skip), None)
-        c1, c2, lr = step_scalars(count, b1=b1, b2=b2, freeze_step=freeze_step, bias_correction=bias_correction,
-                                  learning_rate=learning_rate)
+        index = jnp.where(bad, 2, jnp.where(count < limit, 1, 0))
+        mu, nu, worker_error, server_error, *decision = lax.switch(index, (compression, warmup, skip), None)
+        # The variance's bias correction freezes at the decided point (read from the state), not at the cap.
+        c1, c2, lr = step_scalars(count, b1=b1, b2=b2, freeze_step=decision[0] if rule is not None else freeze_step,
+                                  bias_correction=bias_correction, learning_rate=learning_rate)
 
         def direction(m, v, p):
             u = (m / c1) / (jnp.sqrt(v / c2) + eps)
@@ -714,6 +761,8 @@ def onebit_adam(
         new_state = OneBitAdamState(
             count=jnp.where(bad, count, optax.safe_int32_increment(count)), mu=mu, nu=nu,
             worker_error=worker_error, server_error=server_error, skipped=state.skipped + bad.astype(jnp.int32),
+            **(dict(zip(("freeze_at", "variance_norms", "calm_checks"), decision, strict=True))
+               if rule is not None else {}),
         )
         return updates, new_state
 
@@ -751,6 +800,8 @@ def state_specs(opt_state, axis_name: str | tuple[str, str] = "data"):
             return OneBitAdamState(
                 count=P(), mu=rep(node.mu), nu=rep(node.nu),
                 worker_error=rows(node.worker_error), server_error=rows(node.server_error), skipped=P(),
+                freeze_at=rep(node.freeze_at), variance_norms=rep(node.variance_norms),
+                calm_checks=rep(node.calm_checks),
             )
         rule = _per_rank_rule(node)  # other transforms with per-rank buffers (the 1-bit family)
         if rule is not None:

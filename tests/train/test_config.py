@@ -104,6 +104,7 @@ BASE = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
 ONEBIT = {"train_batch_size": 32, "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 10}}}
 ZERO_ONE = {"train_batch_size": 32, "optimizer": {"type": "ZeroOneAdam", "params": {"lr": 1e-3}}}
+AUTO1 = {"train_batch_size": 32, "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": "auto"}}}
 LAMB1 = {"train_batch_size": 32, "optimizer": {"type": "OnebitLamb", "params": {"lr": 1e-3, "freeze_step": 10}}}
 
 
@@ -205,6 +206,28 @@ BAD = [
     (edit(sched("WarmupCosineLR", total_num_steps=100), "optimizer", ...), "optimizer",
      r"the WarmupCosineLR scheduler scales the optimizer's lr"),
     (edit(sched("WarmupLR"), "optimizer", ...), "scheduler.params.warmup_max_lr", r"no optimizer\.params\.lr"),
+    # freeze_step "auto" (jonebit only) and its auto_freeze rule
+    (edit(ONEBIT, "optimizer.params.freeze_step", "never"), "optimizer.params.freeze_step",
+     r"expected an integer or \"auto\", got 'never' \(str\)"),
+    (edit(AUTO1, "optimizer.params.auto_freeze", {"min_stpe": 3}), "optimizer.params.auto_freeze.min_stpe",
+     r"unknown key; auto_freeze takes min_step, max_step, check_every, threshold, patience"),
+    (edit(AUTO1, "optimizer.params.auto_freeze", {"threshold": 0}), "optimizer.params.auto_freeze.threshold",
+     r"expected a number > 0, got 0"),
+    (edit(AUTO1, "optimizer.params.auto_freeze", {"patience": 0}), "optimizer.params.auto_freeze.patience",
+     r"expected an integer >= 1, got 0"),
+    (edit(AUTO1, "optimizer.params.auto_freeze", {"check_every": "10"}), "optimizer.params.auto_freeze.check_every",
+     r"expected an integer, got '10' \(str\)"),
+    (edit(AUTO1, "optimizer.params.auto_freeze", {"min_step": 50, "max_step": 10}),
+     "optimizer.params.auto_freeze.max_step", r"max_step \(10\) must be >= min_step \(50\)"),
+    (edit(AUTO1, "optimizer.params.auto_freeze", [10, 0.3]), "optimizer.params.auto_freeze",
+     r"expected an object \{\.\.\.\}"),
+    (edit(ONEBIT, "optimizer.params.auto_freeze", {"min_step": 3}), "optimizer.params.auto_freeze",
+     r"applies to \"freeze_step\": \"auto\" only, got freeze_step \d+"),
+    (edit(AUTO1, "zero_optimization", {"stage": 1}), "optimizer.params.freeze_step",
+     r"\"auto\" is available at ZeRO stage 0 only, got zero_optimization.stage = 1"),
+    (edit(edit(LAMB1, "optimizer.params.freeze_step", "auto"), "optimizer.params.auto_freeze", {"max_step": 0}),
+     "optimizer.params.auto_freeze.max_step", r">= 1, got 0"),
+    (edit(ZERO_ONE, "optimizer.params.auto_freeze", {}), "optimizer.params.auto_freeze", r"unknown key"),
 ]
 
 
@@ -492,6 +515,37 @@ def test_onebit_adam_options():
         build_optimizer(load_config(ONEBIT), mpi_comm=object())
     with pytest.raises(ConfigError, match=r"optimizer: the config has no optimizer section"):
         build_optimizer(load_config({"train_batch_size": 8}))
+
+
+def test_freeze_step_auto_from_config_equals_direct_onebit_adam_and_lamb(capsys):
+    """"freeze_step": "auto" with an auto_freeze rule builds onebit_adam/onebit_lamb(freeze_step="auto") with that
+    rule (jonebit's update counts); the describe text names it."""
+    rule = {"min_step": 2, "max_step": 6, "check_every": 1, "threshold": 0.5, "patience": 1}
+    cfg = {"train_batch_size": 8 * N_DEV,
+           "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-2, "freeze_step": "auto", "auto_freeze": rule}}}
+    config = load_config(cfg)
+    assert config.optimizer.params["freeze_step"] == "auto" and config.optimizer.params["auto_freeze"] == rule
+    rng = np.random.default_rng(3)
+    params = {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
+    grads = [{k: rng.normal(size=(N_DEV, *s)).astype(np.float32) for k, s in SHAPES.items()} for _ in range(8)]
+    got, state = run_sharded(build_optimizer(config, fused=True), params, grads)
+    direct = jonebit.onebit_adam(1e-2, freeze_step="auto", auto_freeze=jonebit.AutoFreeze(**rule), fused=True)
+    want, want_state = run_sharded(direct, params, grads)
+    assert_trees_close(got, want, rtol=0, atol=0)
+    assert 2 <= int(state.freeze_at) == int(want_state.freeze_at) <= 6
+    assert "onebit_adam(freeze_step=\"auto\"): Adam updates until the variance settles" in describe(config, N_DEV)
+    # The default rule when auto_freeze is left out.
+    no_rule = load_config(edit(cfg, "optimizer.params.auto_freeze", ...))
+    assert no_rule.optimizer.params["auto_freeze"] is None
+    assert int(jax.eval_shape(lambda: jonebit.sharded_init(
+        build_optimizer(no_rule), replicate(params, data_mesh()), data_mesh())[0]).freeze_at.size) == 1
+    lamb = load_config(edit(cfg, "optimizer.type", "OneBitLamb"))
+    got, state = run_sharded(build_optimizer(lamb), params, grads)
+    want, want_state = run_sharded(jonebit.onebit_lamb(1e-2, freeze_step="auto", auto_freeze=jonebit.AutoFreeze(
+        **rule)), params, grads)
+    assert_trees_close(got, want, rtol=0, atol=0)
+    assert int(state.freeze_at) == int(want_state.freeze_at)
+    assert "onebit_lamb(freeze_step=\"auto\")" in describe(lamb, N_DEV)
 
 
 def run_per_rank(tx, params, grads_per_rank):

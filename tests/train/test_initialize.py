@@ -145,3 +145,39 @@ def test_onebit_lamb_config_trains_in_the_engine_like_deepspeed():
     params0 = {k: np.asarray(v) for k, v in _params().items()}
     ref = NumpyOneBitLamb(params0, p, lr=1e-2, freeze_step=4, wd=0.01)
     _engine_against(engine, ref, steps=7)
+
+
+class _Repeat:
+    """The same batch every step, with the state the loop checkpoints."""
+
+    def __init__(self, batch):
+        self.batch, self.n = batch, 0
+
+    def __next__(self):
+        self.n += 1
+        return self.batch
+
+    def get_state(self):
+        return {"n": self.n}
+
+    def set_state(self, state):
+        self.n = state["n"]
+
+
+def test_freeze_step_auto_engine_reports_the_stage_from_the_state(tmp_path):
+    """"freeze_step": "auto" in the config: the engine's loop names each step's stage by the freeze point the
+    optimizer decided (state.freeze_at), not by a static freeze_step."""
+    rule = {"min_step": 3, "max_step": 7, "check_every": 1, "threshold": 10.0, "patience": 1}
+    cfg = {"train_batch_size": 16, "steps_per_print": 1,
+           "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-2, "freeze_step": "auto", "auto_freeze": rule}}}
+    engine = initialize(cfg, loss_fn, _params())
+    assert engine.freeze_step == "auto"
+    loop = engine.loop_config(tmp_path, max_steps=8, progress_bar=False, tensorboard=False, checkpoint_every=0)
+    state = engine.train(_Repeat(_batch(16, 0)), loop)
+    opt = next(n for n in jax.tree.leaves(state.opt_state, is_leaf=lambda x: hasattr(x, "freeze_at"))
+               if hasattr(n, "freeze_at"))
+    decided = int(opt.freeze_at)
+    assert decided == 3  # calm from the second check on: the minimum decides, well before the cap of 7
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    # The record of step n is the update after n - 1 updates.
+    assert [r["stage"] for r in records] == ["warmup"] * decided + ["compression"] * (8 - decided)
