@@ -75,6 +75,7 @@ class Mode:
         return _Ctx()
 
     def compile(self):
+        jax.clear_caches()  # otherwise a second compile of the same program is a cache hit
         with self.active():
             t0 = time.perf_counter()
             lowered = jax.jit(self.update).lower(self.params, self.state, self.grads)
