@@ -27,6 +27,7 @@ import numpy as np
 from jax import lax
 
 from jonebit.comm.backends import Backend, get_backend
+from jonebit.comm.packing import _WEIGHTS as _BIT_WEIGHTS
 from jonebit.comm.packing import pack_signs, select_signs, sign_bits, unpack_rows
 
 _SCALE_BYTES = 4  # one float32 scale, bit-cast to uint8
@@ -151,6 +152,22 @@ def compressed_allreduce_rows(backend: Backend, x, worker_error, server_error):
     return rows, new_worker_error, new_server_error
 
 
+# Buffers of the same length are compressed together (one stacked computation per length, see
+# :func:`compressed_allreduce_groups`). Private switch: False emits every buffer's computation on its own (the
+# implementation before grouping, kept for benchmarks/perleaf_compile.py and the tests that compare the two).
+_GROUP_BUFFERS = True
+
+
+def buffer_groups(lengths) -> list[list[int]]:
+    """Indices of the buffers grouped by length, groups in order of first appearance, indices ascending."""
+    if not _GROUP_BUFFERS:
+        return [[i] for i in range(len(lengths))]
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        groups.setdefault(int(n), []).append(i)
+    return list(groups.values())
+
+
 def compressed_allreduce_rows_many(backend: Backend, xs, worker_errors, server_errors):
     """:func:`compressed_allreduce_rows` of several independent buffers, sharing its two collectives.
 
@@ -158,13 +175,82 @@ def compressed_allreduce_rows_many(backend: Backend, xs, worker_errors, server_e
     transport is shared: the rows of all buffers travel side by side in one all-to-all and one all-gather,
     the same bytes as separate calls in two collectives instead of two per buffer. Returns three lists.
     """
+    groups = compressed_allreduce_groups(backend, xs, worker_errors, server_errors)
+    return tuple(ungroup(groups, field, len(xs)) for field in (1, 2, 3))
+
+
+def compressed_allreduce_groups(backend: Backend, xs, worker_errors, server_errors):
+    """:func:`compressed_allreduce_rows_many`, its results per group of equal-length buffers.
+
+    Returns a list of ``(indices, rows, worker_errors, server_errors)``, one per group of :func:`buffer_groups`:
+    the buffers ``indices`` (``k`` of them) stacked on a leading axis, ``rows`` ``(k, P, C/8 + 4)``. A group is
+    one batched computation (``jax.vmap`` of the single-buffer one: the same operations, each reduction over one
+    buffer's own elements), so the number of operations the program holds grows with the number of distinct
+    lengths, not of buffers; a group of one is the single-buffer computation itself.
+    """
     p = backend.size
     checked = [_check_buffers(x, we, se, p) for x, we, se in zip(xs, worker_errors, server_errors, strict=True)]
-    worker = [_worker_rows(x, n, we, p) for (x, n, _, _), we in zip(checked, worker_errors, strict=True)]
-    received = _split_columns(backend.all_to_all(_join_columns([rows for rows, _ in worker])), worker)
-    server = [_server_row(r, se, p) for r, se in zip(received, server_errors, strict=True)]
-    gathered = _split_columns(backend.all_gather(_join_columns([row for row, _ in server])), server)
-    return gathered, [we for _, we in worker], [se for _, se in server]
+    groups = buffer_groups([n for _, n, _, _ in checked])
+    worker = []
+    for idx in groups:
+        n = checked[idx[0]][1]
+        if len(idx) == 1:
+            rows, we = _worker_rows(checked[idx[0]][0], n, worker_errors[idx[0]], p)
+            worker.append((rows[None], we[None]))
+        else:
+            x = jnp.stack([checked[i][0].astype(jnp.float32) for i in idx])
+            we = jnp.stack([worker_errors[i] for i in idx])
+            worker.append(jax.vmap(lambda x, we, n=n: _worker_rows(x, n, we, p))(x, we))
+    # (k, P, w) -> (P, k w): the rows of a group side by side, so row j (rank j's) stays one row.
+    sent = [jnp.moveaxis(rows, 0, 1).reshape(p, -1) for rows, _ in worker]
+    received = _split_columns(backend.all_to_all(_join_columns(sent)), [(a, None) for a in sent])
+    server = []
+    for idx, r in zip(groups, received, strict=True):
+        r = jnp.moveaxis(r.reshape(p, len(idx), -1), 1, 0)  # (k, P, w)
+        if len(idx) == 1:
+            row, se = _server_row(r[0], server_errors[idx[0]], p)
+            server.append((row[None], se[None]))
+        else:
+            se = jnp.stack([server_errors[i] for i in idx])
+            server.append(jax.vmap(lambda r, se: _server_row(r, se, p))(r, se))
+    flat = [row.reshape(-1) for row, _ in server]
+    gathered = _split_columns(backend.all_gather(_join_columns(flat)), [(a, None) for a in flat])
+    out = []
+    for idx, g, (_, we), (row, se) in zip(groups, gathered, worker, server, strict=True):
+        rows = jnp.moveaxis(g.reshape(p, len(idx), row.shape[-1]), 1, 0)  # (k, P, w)
+        out.append((idx, rows, we, se))
+    return out
+
+
+def ungroup(groups, field: int, count: int) -> list:
+    """Per-buffer list of one field of :func:`compressed_allreduce_groups` (1: rows, 2: worker, 3: server errors)."""
+    out = [None] * count
+    for group in groups:
+        stacked = group[field]
+        for j, i in enumerate(group[0]):
+            out[i] = stacked[j]
+    return out
+
+
+def decode_groups(groups, sizes) -> list[jax.Array]:
+    """The decoded float32 buffers of :func:`compressed_allreduce_groups` (buffer ``i``: ``sizes[i]`` values).
+
+    One batched decode per group; the elements are those of :func:`decode_segments` (a select between
+    ``scale_j * 1`` and ``scale_j * -1``), bit for bit.
+    """
+    out = [None] * len(sizes)
+    for idx, rows, _, _ in groups:
+        n = int(sizes[idx[0]])
+        if len(idx) == 1:
+            out[idx[0]] = decode_segments(rows[0], [n])[0]
+            continue
+        bits, scales = _split_scale(rows)  # (k, P, C/8), (k, P)
+        pos, neg = _signed(scales)
+        dec = jnp.where((bits[..., None] & _BIT_WEIGHTS) != 0, pos[..., None, None], neg[..., None, None])
+        dec = dec.reshape(len(idx), -1)[:, :n]
+        for j, i in enumerate(idx):
+            out[i] = dec[j]
+    return out
 
 
 def _join_columns(arrays):

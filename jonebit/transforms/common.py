@@ -16,10 +16,12 @@ import numpy as np
 
 from jonebit.comm.backends import AxisBackend, Backend, as_varying, varying_axes
 from jonebit.comm.compressed import (
+    compressed_allreduce_groups,
     compressed_allreduce_rows,
-    compressed_allreduce_rows_many,
+    decode_groups,
     decode_segments,
     padded_size,
+    ungroup,
 )
 
 ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
@@ -183,9 +185,10 @@ def compressed_mean(backend: Backend, tree, worker_error, server_error, *, fused
                                              [x.size for x in leaves])
         return treedef.unflatten([p.reshape(x.shape) for p, x in zip(parts, leaves, strict=True)]), we, se
     wes, ses = treedef.flatten_up_to(worker_error), treedef.flatten_up_to(server_error)
-    rows, wes, ses = compressed_allreduce_rows_many(
+    groups = compressed_allreduce_groups(
         backend, [jnp.ravel(x) for x in leaves], [we[0] for we in wes], [se[0] for se in ses])
-    out = [decode_segments(r, [x.size])[0].reshape(x.shape) for r, x in zip(rows, leaves, strict=True)]
+    wes, ses = ungroup(groups, 2, len(leaves)), ungroup(groups, 3, len(leaves))
+    out = [d.reshape(x.shape) for d, x in zip(decode_groups(groups, [x.size for x in leaves]), leaves, strict=True)]
     return (treedef.unflatten(out), treedef.unflatten([we[None] for we in wes]),
             treedef.unflatten([se[None] for se in ses]))
 

@@ -56,10 +56,12 @@ from jax.sharding import PartitionSpec as P
 
 from jonebit.comm.backends import AxisBackend, Backend, as_varying, get_backend, varying_axes
 from jonebit.comm.compressed import (
+    compressed_allreduce_groups,
     compressed_allreduce_rows,
-    compressed_allreduce_rows_many,
+    decode_groups,
     decode_segments,
     padded_size,
+    ungroup,
 )
 from jonebit.comm.hierarchical import (
     HierarchicalBackend,
@@ -651,14 +653,16 @@ def onebit_adam(
             return m, we[None], se[None]
         # Per leaf: each leaf is its own compressed allreduce (own scales, errors, padding), but all leaves
         # share one all-to-all and one all-gather (same bytes, two collectives instead of two per leaf).
+        # Leaves of the same size are compressed as one stacked batch (own scales per leaf, bit for bit).
         leaves, treedef = jax.tree.flatten(m_local)
         wes, ses = treedef.flatten_up_to(worker_error), treedef.flatten_up_to(server_error)
-        rows, wes, ses = compressed_allreduce_rows_many(
+        groups = compressed_allreduce_groups(
             backend, [jnp.ravel(x) for x in leaves], [we[0] for we in wes], [se[0] for se in ses])
+        wes, ses = ungroup(groups, 2, len(leaves)), ungroup(groups, 3, len(leaves))
         if not error_feedback:
             wes, ses = [jnp.zeros_like(we) for we in wes], [jnp.zeros_like(se) for se in ses]
-        m = [decode_segments(r, [x.size])[0].reshape(x.shape).astype(x.dtype)
-             for r, x in zip(rows, leaves, strict=True)]
+        m = [d.reshape(x.shape).astype(x.dtype)
+             for d, x in zip(decode_groups(groups, [x.size for x in leaves]), leaves, strict=True)]
         return (treedef.unflatten(m), treedef.unflatten([we[None] for we in wes]),
                 treedef.unflatten([se[None] for se in ses]))
 
