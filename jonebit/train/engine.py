@@ -503,7 +503,10 @@ def make_train_step(
     donated = (0,) if donate else ()
 
     if stage == 0:
-        mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()))
+        # Under MPI the mesh is one device and the transform's collectives are mpi4jax's, outside jax's
+        # varying-axis types (with one rank its mean is the identity, which leaves the update "varying").
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()),
+                               check_vma=mpi is None)
         jitted = jax.jit(mapped, donate_argnums=donated)
     elif onebit is not None:
         mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()))

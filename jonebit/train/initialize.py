@@ -156,17 +156,18 @@ def initialize(
             raise ValueError(
                 "initialize: optimizer.params.comm_backend_name is \"mpi\": the engine builds the MPI optimizer from "
                 "the config (tx=... would bypass its communicator); drop tx, or set comm_backend_name to \"nccl\"")
+        if mesh is not None and mesh.size != 1:
+            raise ValueError(
+                f"initialize: with comm_backend_name \"mpi\" each MPI process is one data-parallel rank with one "
+                f"device; the mesh has {mesh.size} devices. Launch one process per device (mpirun -np <devices> "
+                "python train.py) and leave mesh=None (each process then takes one of its local devices, by its "
+                "node-local rank)")
         mpi_comm = _mpi_world()
         if mesh is None:
             mesh = _process_mesh(mpi_comm, axis)
     mesh = mesh if mesh is not None else data_mesh(axis=axis)
     if axis not in mesh.shape:
         raise ValueError(f"initialize: mesh has axes {tuple(mesh.shape)}, not the data axis {axis!r}")
-    if mpi_comm is not None and mesh.size != 1:
-        raise ValueError(
-            f"initialize: with comm_backend_name \"mpi\" each MPI process is one data-parallel rank with one device; "
-            f"the mesh has {mesh.size} devices. Launch one process per device (mpirun -np <devices> python train.py) "
-            "and leave mesh=None (each process then takes one of its local devices, by its node-local rank)")
     dp = int(mesh.shape[axis]) * (1 if mpi_comm is None else int(mpi_comm.Get_size()))
     batch = config.batch_sizes(dp)
     if opt is not None and opt.type == "ZeroOneAdam" and tx is None:

@@ -51,7 +51,7 @@ def global_batch(world: int, t: int, nan: bool = True) -> dict:
     n = MICRO * ACCUM * world
     rows = (np.arange(n) + t * n) % len(d["x"])
     batch = {k: v[rows].copy() for k, v in d.items()}
-    if nan and t + 1 == NAN_STEP:
+    if nan and t + 1 == NAN_STEP and world > NAN_RANK:
         batch["x"][NAN_RANK * MICRO * ACCUM, 0] = np.nan
     return batch
 
