@@ -10,6 +10,12 @@ optimizer state in host memory; 1-bit Adam is built for the stage and keeps its 
 ``steps_per_print``. What the engine does per step is described in :mod:`jonebit.train.engine`;
 the loop (checkpoints, metrics, resume) in :mod:`jonebit.train.loop`.
 
+With ``optimizer.params.comm_backend_name: "mpi"`` (OneBitAdam / OneBitLamb, ZeRO stage 0) the script runs under
+``mpirun``, one process per device: each process is one data-parallel rank with a one-device mesh, the
+optimizer communicates over a duplicate of ``MPI.COMM_WORLD`` (mpi4jax), the batch arithmetic counts the MPI world
+size, each process feeds its own slice of every global batch (``ArrayBatches(..., shard=(engine.process_index,
+engine.process_count))``), and the loop checkpoints per rank (see :mod:`jonebit.train.loop`).
+
 Gradient clipping (``gradient_clipping``) is applied where DeepSpeed applies it: with standard optimizers to the
 gradient averaged over ranks; with 1-bit Adam (ZeRO stage 0) to the averaged gradient during warmup and to each
 rank's local gradient in the compression stage, where no averaged gradient exists. 0/1 Adam, 1-bit LAMB and
@@ -139,7 +145,8 @@ def initialize(
       loss_fn: ``loss_fn(params, micro_batch) -> loss`` (``(loss, aux)`` with ``has_aux``; a third argument
         ``rng`` with ``rng_seed``).
       params: the initial parameters (any float dtype; kept as float32 master weights).
-      mesh: the data-parallel mesh (default: every device on one axis ``axis``).
+      mesh: the data-parallel mesh (default: every device on one axis ``axis``; under MPI, this process's one
+        device, chosen by its node-local rank; a given mesh must then have one device).
       exp_avg_mask: 1-bit Adam's momentum mask (e.g. :func:`jonebit.models.bert.position_embedding_mask`).
       has_aux, rng_seed: see :func:`jonebit.train.engine.make_train_step`.
       tx: an optax transformation replacing the config's optimizer section (the config may then omit it).

@@ -13,6 +13,11 @@
   ``aux`` scalars; ``seconds`` is the mean wall time per step since the previous line, the first line
   includes compilation), the same scalars as TensorBoard event files in ``OUTPUT/tensorboard`` (tensorboardX), a tqdm
   bar, and a console line every ``steps_per_print`` steps.
+* **MPI** (a step built with ``mpi_comm``, e.g. ``initialize`` with ``comm_backend_name: "mpi"`` under
+  ``mpirun``): rank 0 alone writes metrics, TensorBoard and the bar (``bytes_sent`` is NaN: mpi4jax's traffic is
+  not in the compiled program); each rank checkpoints into ``checkpoints/rank-<r>/`` (its error buffers and data
+  position are its own), resumes from the newest step all ranks hold, and only with the same world size; a
+  signal stops every rank after the same step.
 * **non-finite steps**: the engine skips them on every rank; ``nonfinite="raise"`` stops the run instead, with
   the step number (checked every step, which costs one device-to-host sync per step).
 
