@@ -14,14 +14,14 @@ NAN_STEP, NAN_RANK = 5, 1  # 1-based optimizer step whose batch on rank NAN_RANK
 SEED = 3
 
 
-def config(world: int, backend: str = "mpi") -> dict:
+def config(world: int, backend: str = "mpi", opt: str = "OneBitAdam") -> dict:
     """A DeepSpeed 1-bit Adam config as its Ethernet tutorial writes it (comm_backend_name "mpi")."""
     return {
         "train_batch_size": MICRO * ACCUM * world,
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": ACCUM,
         "steps_per_print": 100,
-        "optimizer": {"type": "OneBitAdam", "params": {
+        "optimizer": {"type": opt, "params": {
             "lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "freeze_step": FREEZE,
             "cuda_aware": False, "comm_backend_name": backend}},
     }

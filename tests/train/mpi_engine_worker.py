@@ -1,6 +1,6 @@
 """MPI rank program: ``jonebit.train.initialize`` with ``comm_backend_name: "mpi"``.
 
-``step OUTDIR``: STEPS engine steps on this rank's slice of each global batch (a NaN on one rank at NAN_STEP);
+``step OUTDIR [OPTIMIZER]``: STEPS engine steps on this rank's slice of each global batch (a NaN on one rank at NAN_STEP);
 saves ``OUTDIR/rank{r}.npz`` (params per step end, metrics). ``loop OUTDIR MAX_STEPS``: ``Engine.train`` with
 ArrayBatches sharded by rank and a checkpoint every 2 steps (resumes when OUTDIR holds one); saves the params.
 """
@@ -18,11 +18,12 @@ from jonebit.train.loop import ArrayBatches  # noqa: E402
 from tests.train import mpi_engine_cases as C  # noqa: E402
 
 
-def main(mode: str, outdir: str, max_steps: str = "0") -> None:
+def main(mode: str, outdir: str, arg: str = "") -> None:
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD.Get_size()
-    engine = initialize(C.config(world), C.loss_fn, C.params0(), rng_seed=C.SEED)
+    opt = arg if mode == "step" and arg else "OneBitAdam"
+    engine = initialize(C.config(world, opt=opt), C.loss_fn, C.params0(), rng_seed=C.SEED)
     rank = engine.process_index
     assert engine.process_count == world and engine.mesh.size == 1
     assert engine.batch.train_batch_size == C.MICRO * C.ACCUM * world
@@ -39,13 +40,13 @@ def main(mode: str, outdir: str, max_steps: str = "0") -> None:
         out["skipped_total"] = np.asarray(state.skipped)
     else:
         batches = ArrayBatches(C.data(), engine.batch.train_batch_size, seed=11, shard=(rank, world))
-        loop = engine.loop_config(outdir, int(max_steps), checkpoint_every=2, async_checkpoint=False,
+        loop = engine.loop_config(outdir, int(arg), checkpoint_every=2, async_checkpoint=False,
                                   progress_bar=False, tensorboard=rank == 0)
         state = engine.train(batches, loop)
         for k, v in state.params.items():
             out[f"params/{k}"] = np.asarray(v)
         out["step"] = np.asarray(state.step)
-    np.savez(os.path.join(outdir, f"{mode}-rank{rank}.npz"), **out)
+    np.savez(os.path.join(outdir, f"{mode}-{opt}-rank{rank}.npz"), **out)
 
 
 if __name__ == "__main__":

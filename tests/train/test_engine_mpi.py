@@ -20,9 +20,9 @@ WORKER = pathlib.Path(__file__).with_name("mpi_engine_worker.py")
 pytestmark = [pytest.mark.mpi, pytest.mark.multiprocess, pytest.mark.slow]
 
 
-def reference(world: int) -> dict:
+def reference(world: int, opt: str) -> dict:
     """The worker's ``step`` run on the jax-collective engine ("nccl") over ``world`` simulated devices."""
-    engine = initialize(C.config(world, "nccl"), C.loss_fn, C.params0(), mesh=data_mesh(world), rng_seed=C.SEED)
+    engine = initialize(C.config(world, "nccl", opt), C.loss_fn, C.params0(), mesh=data_mesh(world), rng_seed=C.SEED)
     state, out = engine.state, {}
     for t in range(C.STEPS):
         state, m = engine.step(state, C.global_batch(world, t))
@@ -35,17 +35,18 @@ def reference(world: int) -> dict:
     return out
 
 
-@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda p: f"np{p}")
+@pytest.fixture(scope="module", params=[(1, "OneBitAdam"), (2, "OneBitAdam"), (4, "OneBitAdam"), (2, "OneBitLamb")],
+                ids=lambda p: f"np{p[0]}-{p[1]}")
 def step_results(request, tmp_path_factory):
-    world = request.param
+    world, opt = request.param
     outdir = tmp_path_factory.mktemp(f"engine{world}")
-    run_mpi(world, WORKER, "step", outdir, timeout=300)
-    return world, [dict(np.load(outdir / f"step-rank{r}.npz")) for r in range(world)]
+    run_mpi(world, WORKER, "step", outdir, opt, timeout=300)
+    return world, opt, [dict(np.load(outdir / f"step-{opt}-rank{r}.npz")) for r in range(world)]
 
 
 def test_mpi_engine_equals_jax_engine(step_results):
-    world, ranks = step_results
-    ref = reference(world)
+    world, opt, ranks = step_results
+    ref = reference(world, opt)
     assert not np.allclose(ref[f"params/{C.STEPS - 1}/w1"], C.params0()["w1"])
     for r, got in enumerate(ranks):
         assert set(got) == set(ref)
@@ -58,7 +59,7 @@ def test_mpi_engine_equals_jax_engine(step_results):
 
 
 def test_mpi_engine_nan_on_one_rank_skips_everywhere(step_results):
-    world, ranks = step_results
+    world, _, ranks = step_results
     if world <= C.NAN_RANK:
         pytest.skip(f"the NaN goes to rank {C.NAN_RANK}")
     t = C.NAN_STEP - 1
@@ -87,8 +88,8 @@ def test_mpi_engine_loop_checkpoints_per_rank_and_resumes(tmp_path):
         assert sorted(p.name for p in (d / "checkpoints").iterdir()) == ["rank-0", "rank-1"]
         lines = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
         assert [x["step"] for x in lines] == [1, 2, 3, 4]  # rank 0 alone writes (no duplicated lines)
-    a = [dict(np.load(full / f"loop-rank{r}.npz")) for r in range(world)]
-    b = [dict(np.load(split / f"loop-rank{r}.npz")) for r in range(world)]
+    a = [dict(np.load(full / f"loop-OneBitAdam-rank{r}.npz")) for r in range(world)]
+    b = [dict(np.load(split / f"loop-OneBitAdam-rank{r}.npz")) for r in range(world)]
     for r in range(world):
         assert int(a[r]["step"]) == int(b[r]["step"]) == 4
         for k in C.params0():
