@@ -616,7 +616,8 @@ def make_train_step(
     step.mpi = mpi  # the loop reads the MPI rank and world size from it
     # With grad_reduce="mean" the optimizer is a local computation; its only traffic is the engine's own (the
     # ZeRO path's parameter all-gathers included: its update is not inside a conditional).
-    step.tx_report = None if grad_reduce is not None else tx_report if stage == 0 else onebit_zero_report
+    step.tx_report = None if grad_reduce is not None or mpi is not None else (
+        tx_report if stage == 0 else onebit_zero_report)
     return step
 
 

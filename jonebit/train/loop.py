@@ -204,11 +204,11 @@ def _world_size(state: TrainState, mpi=None) -> int:
 class _Checkpoints:
     """orbax CheckpointManager of ``TrainState`` + JSON (data position, world size)."""
 
-    def __init__(self, directory: pathlib.Path, config: LoopConfig, mpi=None):
+    def __init__(self, directory: pathlib.Path, config: LoopConfig, mpi=None, host_comm=None):
         import orbax.checkpoint as ocp
         from orbax.checkpoint import checkpoint_managers as policies
 
-        self.ocp, self.mpi = ocp, mpi
+        self.ocp, self.mpi, self.host_comm = ocp, mpi, host_comm
         if mpi is not None:  # every MPI rank has its own error buffers and data position: its own directory
             directory = directory / f"rank-{mpi.rank}"
         self.manager = ocp.CheckpointManager(
@@ -225,7 +225,7 @@ class _Checkpoints:
         if self.mpi is None:
             return self.manager.latest_step()
         # Under MPI: the newest step every rank holds (a kill may have left one rank a checkpoint ahead).
-        steps = self.mpi.comm.allgather(sorted(self.manager.all_steps()))
+        steps = self.host_comm.allgather(sorted(self.manager.all_steps()))
         common = set(steps[0]).intersection(*map(set, steps[1:]))
         if not common and any(steps):
             raise ValueError(
@@ -339,7 +339,13 @@ def train(
     out = pathlib.Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     mpi = getattr(step, "mpi", None)  # a step built with mpi_comm: this process is one rank of an MPI job
-    ckpt = _Checkpoints(out / "checkpoints", config, mpi)
+    host_comm = None
+    if mpi is not None:
+        # The loop's own MPI calls (checkpoint steps, signals) run on the host while mpi4jax's run inside the
+        # compiled steps: a communicator of their own, made while no step is in flight.
+        jax.block_until_ready(state)
+        host_comm = mpi.comm.Dup()
+    ckpt = _Checkpoints(out / "checkpoints", config, mpi, host_comm)
     lead = jax.process_index() == 0 and (mpi is None or mpi.rank == 0)
 
     start = 0
@@ -425,7 +431,7 @@ def train(
             if mpi is not None and mpi.size > 1:  # ranks see signals at different steps: stop together
                 from mpi4py import MPI
 
-                signum = mpi.comm.allreduce(int(stop["signal"] or 0), op=MPI.MAX)
+                signum = host_comm.allreduce(int(stop["signal"] or 0), op=MPI.MAX)
                 stop["signal"] = signum or None
             if (config.checkpoint_every and n % config.checkpoint_every == 0) or n == config.max_steps \
                     or stop["signal"] is not None:
@@ -444,6 +450,8 @@ def train(
         if writer is not None:
             writer.close()
         ckpt.close()
+        if host_comm is not None:
+            host_comm.Free()
 
 
 def _batch_sharding(state: TrainState):

@@ -3,9 +3,12 @@
 ``step OUTDIR [OPTIMIZER]``: STEPS engine steps on this rank's slice of each global batch (a NaN on one rank at NAN_STEP);
 saves ``OUTDIR/rank{r}.npz`` (params per step end, metrics). ``loop OUTDIR MAX_STEPS``: ``Engine.train`` with
 ArrayBatches sharded by rank and a checkpoint every 2 steps (resumes when OUTDIR holds one); saves the params.
+``loop OUTDIR MAX_STEPS SIGNAL_AT``: rank 1 alone sends itself SIGTERM after step SIGNAL_AT; every rank must stop
+after the same step (``Preempted``) with a checkpoint.
 """
 
 import os
+import signal
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -14,11 +17,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jonebit.train.initialize import initialize  # noqa: E402
-from jonebit.train.loop import ArrayBatches  # noqa: E402
+from jonebit.train.loop import ArrayBatches, Preempted  # noqa: E402
 from tests.train import mpi_engine_cases as C  # noqa: E402
 
 
-def main(mode: str, outdir: str, arg: str = "") -> None:
+def main(mode: str, outdir: str, arg: str = "", signal_at: str = "0") -> None:
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD.Get_size()
@@ -42,10 +45,18 @@ def main(mode: str, outdir: str, arg: str = "") -> None:
         batches = ArrayBatches(C.data(), engine.batch.train_batch_size, seed=11, shard=(rank, world))
         loop = engine.loop_config(outdir, int(arg), checkpoint_every=2, async_checkpoint=False,
                                   progress_bar=False, tensorboard=rank == 0)
-        state = engine.train(batches, loop)
-        for k, v in state.params.items():
-            out[f"params/{k}"] = np.asarray(v)
-        out["step"] = np.asarray(state.step)
+        def on_log(record):
+            if rank == 1 and record["step"] == int(signal_at):
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        try:
+            state = engine.train(batches, loop, on_log=on_log)
+        except Preempted:  # the checkpoint holds the stopped state
+            out["preempted"] = np.asarray(True)
+        else:
+            for k, v in state.params.items():
+                out[f"params/{k}"] = np.asarray(v)
+            out["step"] = np.asarray(state.step)
     np.savez(os.path.join(outdir, f"{mode}-{opt}-rank{rank}.npz"), **out)
 
 

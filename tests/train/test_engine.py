@@ -281,5 +281,5 @@ def test_bad_inputs(case):
 
 
 def test_bad_input_table_is_complete():
-    assert len(_bad_calls()) == 17
+    assert len(_bad_calls()) == 19
     assert isinstance(init_train_state(optax.sgd(0.1), _params(), data_mesh())[0], TrainState)

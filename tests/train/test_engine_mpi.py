@@ -72,18 +72,25 @@ def test_mpi_engine_nan_on_one_rank_skips_everywhere(step_results):
 
 
 def test_mpi_engine_loop_checkpoints_per_rank_and_resumes(tmp_path):
-    """Engine.train under mpirun -np 2: metrics from rank 0 only, checkpoints per rank, an interrupted run
-    resumed by a second mpirun ends where an uninterrupted one (and the jax engine's loop) does."""
+    """Engine.train under mpirun -np 2: metrics from rank 0 only, checkpoints per rank; a run that one rank's
+    SIGTERM stops (every rank after the same step, with a checkpoint), resumed by a second mpirun, ends where an
+    uninterrupted one (and the jax engine's loop) does."""
     world = 2
     full, split = tmp_path / "full", tmp_path / "split"
     full.mkdir()
     split.mkdir()
     run_mpi(world, WORKER, "loop", full, 4, timeout=300)
-    run_mpi(world, WORKER, "loop", split, 2, timeout=300)
+    run_mpi(world, WORKER, "loop", split, 4, 1, timeout=300)  # rank 1 alone is signalled after step 1
+    for r in range(world):
+        assert bool(np.load(split / f"loop-OneBitAdam-rank{r}.npz")["preempted"])
+        assert sorted(int(p.name) for p in (split / "checkpoints" / f"rank-{r}").iterdir() if p.name.isdigit()) \
+            in ([1], [2])
+    steps = [sorted(p.name for p in (split / "checkpoints" / f"rank-{r}").iterdir()) for r in range(world)]
+    assert steps[0] == steps[1], steps  # stopped together
     first = (split / "metrics.jsonl").read_text().splitlines()
     run_mpi(world, WORKER, "loop", split, 4, timeout=300)
     # Resumed, not rerun: the first run's records (wall times included) are still there.
-    assert (split / "metrics.jsonl").read_text().splitlines()[:2] == first
+    assert first and (split / "metrics.jsonl").read_text().splitlines()[:len(first)] == first
     for d in (full, split):
         assert sorted(p.name for p in (d / "checkpoints").iterdir()) == ["rank-0", "rank-1"]
         lines = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
