@@ -395,7 +395,7 @@ def make_train_step(
             "optimizers, which communicate themselves)"
         )
     flat = isinstance(specs.params, FlatParams)
-    mpi = _mpi_backend(mpi_comm, grad_reduce, stage, onebit, mesh, axis)
+    mpi = _mpi_backend(mpi_comm, grad_reduce, stage, mesh)
     # The rank id of this device among all data-parallel ranks (MPI processes x local devices), for the rng.
     rank_offset = 0 if mpi is None else mpi.rank * ranks
 
@@ -687,7 +687,7 @@ def _zero_step(local_grads, loss_metrics, tx, mesh, specs: TrainState, scaling: 
     return step
 
 
-def _mpi_backend(mpi_comm, grad_reduce, stage: int, onebit, mesh, axis: str):
+def _mpi_backend(mpi_comm, grad_reduce, stage: int, mesh):
     """The :class:`MPIBackend` of ``make_train_step(mpi_comm=...)`` (``None`` without one), its arguments checked."""
     if mpi_comm is None:
         return None

@@ -1,10 +1,10 @@
 """MPI rank program: ``jonebit.train.initialize`` with ``comm_backend_name: "mpi"``.
 
-``step OUTDIR [OPTIMIZER]``: STEPS engine steps on this rank's slice of each global batch (a NaN on one rank at NAN_STEP);
-saves ``OUTDIR/rank{r}.npz`` (params per step end, metrics). ``loop OUTDIR MAX_STEPS``: ``Engine.train`` with
-ArrayBatches sharded by rank and a checkpoint every 2 steps (resumes when OUTDIR holds one); saves the params.
-``loop OUTDIR MAX_STEPS SIGNAL_AT``: rank 1 alone sends itself SIGTERM after step SIGNAL_AT; every rank must stop
-after the same step (``Preempted``) with a checkpoint.
+``step OUTDIR [OPTIMIZER]``: STEPS engine steps on this rank's slice of each global batch (a NaN on one rank at
+NAN_STEP); saves ``OUTDIR/step-OPTIMIZER-rank{r}.npz`` (params after each step, metrics).
+``loop OUTDIR MAX_STEPS [SIGNAL_AT]``: ``Engine.train`` with ArrayBatches sharded by rank and a checkpoint every 2
+steps (resumes when OUTDIR holds one); saves the final params. With SIGNAL_AT, rank 1 alone sends itself SIGTERM
+after that step: every rank must stop after the same step (``Preempted``) with a checkpoint.
 """
 
 import os
