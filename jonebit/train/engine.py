@@ -329,6 +329,7 @@ def make_train_step(
     donate: bool = True,
     zero_stage: int = 0,
     offload_optimizer: bool = False,
+    mpi_comm: Any = None,
 ):
     """Builds ``step(state, batch) -> (state, metrics)``, jitted.
 
@@ -354,6 +355,12 @@ def make_train_step(
       zero_stage: the ZeRO stage the state was made with (:func:`init_train_state`); standard optimizers need
         ``grad_reduce="mean"`` at stages 1-3, 1-bit optimizers ``grad_reduce=None``.
       offload_optimizer: the optimizer state lives in host memory (as made by :func:`init_train_state`).
+      mpi_comm: an mpi4py communicator (or :class:`~jonebit.comm.MPIBackend`) when this process is one rank of
+        an MPI job (``mpirun``) and ``tx`` communicates over the same communicator (``onebit_adam(...,
+        mpi_comm=...)``). Needs ``grad_reduce=None``, ZeRO stage 0 and a mesh of this process's one device. The
+        step's scalars (loss, aux, and the squared gradient norm, whose finiteness decides the skip) are then
+        also averaged over the MPI processes, in one small MPI collective, so metrics are global and every
+        rank skips together; ``batch`` is this process's slice of the global batch.
 
     Returns:
       ``step(state, batch)``: ``batch`` is the global batch (leaves with a leading dimension of
@@ -399,6 +406,9 @@ def make_train_step(
             "optimizers, which communicate themselves)"
         )
     flat = isinstance(specs.params, FlatParams)
+    mpi = _mpi_backend(mpi_comm, grad_reduce, stage, mesh)
+    # The rank id of this device among all data-parallel ranks (MPI processes x local devices), for the rng.
+    rank_offset = 0 if mpi is None else mpi.rank * ranks
 
     def micro_step(params, scale, micro, rng):
         def scaled(p):
@@ -419,7 +429,7 @@ def make_train_step(
             rng = None
         else:
             rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(int(rng_seed)), step_count),
-                                     lax.axis_index(axis))
+                                     lax.axis_index(axis) + rank_offset)
 
         def accumulate(g_sum, xs):
             mb, i = xs
@@ -465,6 +475,8 @@ def make_train_step(
             norm_sq = _global_norm_sq(grads)
         else:
             norm_sq = lax.pmean(_global_norm_sq(grads), axis)
+            if mpi is not None:  # the scalars, over the MPI processes too (one collective)
+                norm_sq, losses, auxes = _mpi_scalars(mpi, norm_sq, losses, auxes)
         grad_norm = jnp.sqrt(norm_sq)
         overflow = _overflow(norm_sq)
 
@@ -501,7 +513,10 @@ def make_train_step(
     donated = (0,) if donate else ()
 
     if stage == 0:
-        mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()))
+        # Under MPI the mesh is one device and the transform's collectives are mpi4jax's, outside jax's
+        # varying-axis types (with one rank its mean is the identity, which leaves the update "varying").
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()),
+                               check_vma=mpi is None)
         jitted = jax.jit(mapped, donate_argnums=donated)
     elif onebit is not None:
         mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()))
@@ -529,6 +544,8 @@ def make_train_step(
                     f"be a multiple of ranks x accumulation_steps = {ranks} x {k} = {ranks * k}"
                 )
         batch = jax.device_put(batch, batch_sharding)
+        if mpi is not None:  # mpi4jax's ordered effects thread a token that only jit's own dispatch supplies
+            return jitted(state, batch)
         return compiled(state, batch)(state, batch)
 
     cache: dict = {}
@@ -606,9 +623,11 @@ def make_train_step(
 
     step.jitted = jitted
     step.compiled = compiled
+    step.mpi = mpi  # the loop reads the MPI rank and world size from it
     # With grad_reduce="mean" the optimizer is a local computation; its only traffic is the engine's own (the
     # ZeRO path's parameter all-gathers included: its update is not inside a conditional).
-    step.tx_report = None if grad_reduce is not None else tx_report if stage == 0 else onebit_zero_report
+    step.tx_report = None if grad_reduce is not None or mpi is not None else (
+        tx_report if stage == 0 else onebit_zero_report)
     return step
 
 
@@ -676,6 +695,38 @@ def _zero_step(local_grads, loss_metrics, tx, mesh, specs: TrainState, scaling: 
         return new, metrics
 
     return step
+
+
+def _mpi_backend(mpi_comm, grad_reduce, stage: int, mesh):
+    """The :class:`MPIBackend` of ``make_train_step(mpi_comm=...)`` (``None`` without one), its arguments checked."""
+    if mpi_comm is None:
+        return None
+    from jonebit.comm.backends import MPIBackend
+
+    if grad_reduce is not None or stage:
+        raise ValueError(
+            "make_train_step: mpi_comm is for 1-bit optimizers that communicate over MPI themselves, at ZeRO stage 0 "
+            f"(grad_reduce=None, zero_stage=0); got grad_reduce={grad_reduce!r}, zero_stage={stage}")
+    if mesh.size != 1:
+        raise ValueError(
+            f"make_train_step: with mpi_comm each MPI process is one data-parallel rank and owns one device; the mesh "
+            f"has {mesh.size} ({dict(mesh.shape)}). Start one process per device (mpirun -np <devices>) and give "
+            "each a mesh of its own device")
+    return mpi_comm if isinstance(mpi_comm, MPIBackend) else MPIBackend(mpi_comm)
+
+
+def _mpi_scalars(mpi, norm_sq, losses, auxes):
+    """Averages the step's scalars over the MPI processes in one collective (after the mesh axis's own mean).
+
+    Returns ``(norm_sq, losses, auxes)`` with ``losses``/``auxes`` reduced to one global entry each
+    (``loss_metrics`` then averages a single row). A rank's inf/NaN makes the mean of the squared norms
+    non-finite, so :func:`_overflow` skips the step on every rank.
+    """
+    tree = {"norm_sq": norm_sq, "loss": jnp.mean(losses),
+            "aux": jax.tree.map(lambda a: jnp.mean(jnp.asarray(a, jnp.float32), 0), auxes)}
+    out = mpi.mean(tree)
+    aux = jax.tree.map(lambda a: a[None], out["aux"])
+    return out["norm_sq"], out["loss"][None], aux
 
 
 def _is_p(x) -> bool:

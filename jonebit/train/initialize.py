@@ -10,6 +10,12 @@ optimizer state in host memory; 1-bit Adam is built for the stage and keeps its 
 ``steps_per_print``. What the engine does per step is described in :mod:`jonebit.train.engine`;
 the loop (checkpoints, metrics, resume) in :mod:`jonebit.train.loop`.
 
+With ``optimizer.params.comm_backend_name: "mpi"`` (OneBitAdam / OneBitLamb, ZeRO stage 0) the script runs under
+``mpirun``, one process per device: each process is one data-parallel rank with a one-device mesh, the
+optimizer communicates over a duplicate of ``MPI.COMM_WORLD`` (mpi4jax), the batch arithmetic counts the MPI world
+size, each process feeds its own slice of every global batch (``ArrayBatches(..., shard=(engine.process_index,
+engine.process_count))``), and the loop checkpoints per rank (see :mod:`jonebit.train.loop`).
+
 Gradient clipping (``gradient_clipping``) is applied where DeepSpeed applies it: with standard optimizers to the
 gradient averaged over ranks; with 1-bit Adam (ZeRO stage 0) to the averaged gradient during warmup and to each
 rank's local gradient in the compression stage, where no averaged gradient exists. 0/1 Adam, 1-bit LAMB and
@@ -31,7 +37,7 @@ from jonebit.sharding.mesh import data_mesh
 from jonebit.sharding.zero import _per_rank_rule
 from jonebit.train.config import BatchSizes, ConfigError, DeepSpeedConfig, build_optimizer, build_schedule, load_config
 from jonebit.train.engine import LossScaling, TrainState, init_train_state, make_train_step
-from jonebit.train.loop import LoopConfig, ResumableIterator, train
+from jonebit.train.loop import ArrayBatches, LoopConfig, ResumableIterator, train
 from jonebit.transforms.onebit_adam import is_onebit_state
 
 __all__ = ["Engine", "initialize", "loss_scaling_from_config"]
@@ -70,7 +76,9 @@ class Engine:
       learning_rate: the schedule (a function of the optimizer's update count) or a constant.
       freeze_step: jonebit's ``freeze_step`` of a 1-bit optimizer (DeepSpeed's minus one), ``"auto"`` when the
         optimizer decides it (see :func:`jonebit.train.loop.decided_freeze_step`), else ``None``.
-      mesh: the data-parallel mesh.
+      mesh: the data-parallel mesh (under MPI: this process's one device).
+      mpi_comm: with ``comm_backend_name: "mpi"``, the engine's duplicate of ``MPI.COMM_WORLD`` (each process is
+        one data-parallel rank and feeds its own slice of every global batch); else ``None``.
     """
 
     config: DeepSpeedConfig
@@ -81,9 +89,31 @@ class Engine:
     learning_rate: Any
     freeze_step: int | str | None
     mesh: jax.sharding.Mesh
+    mpi_comm: Any = None
+
+    @property
+    def process_index(self) -> int:
+        """This process's MPI rank (0 without MPI)."""
+        return 0 if self.mpi_comm is None else int(self.mpi_comm.Get_rank())
+
+    @property
+    def process_count(self) -> int:
+        """The MPI world size (1 without MPI)."""
+        return 1 if self.mpi_comm is None else int(self.mpi_comm.Get_size())
 
     def train(self, batches: ResumableIterator, loop: LoopConfig, **kw) -> TrainState:
-        """Runs :func:`jonebit.train.loop.train` from ``self.state``; keeps the final state."""
+        """Runs :func:`jonebit.train.loop.train` from ``self.state``; keeps the final state.
+
+        Under MPI, ``batches`` yields this process's slice of each global batch, e.g.
+        ``ArrayBatches(arrays, engine.batch.train_batch_size, shard=(engine.process_index, engine.process_count))``.
+        """
+        shard = getattr(batches, "shard", None)
+        if self.mpi_comm is not None and isinstance(batches, ArrayBatches) and shard != (
+                self.process_index, self.process_count):
+            raise ValueError(
+                f"Engine.train under MPI: ArrayBatches has shard={shard}, but this process is rank "
+                f"{self.process_index} of {self.process_count} and must read only its slice of each global batch; "
+                "pass shard=(engine.process_index, engine.process_count)")
         if loop.freeze_step is None and self.freeze_step is not None:
             loop = dataclasses.replace(loop, freeze_step=self.freeze_step)
         kw.setdefault("lr_schedule", self.learning_rate)
@@ -116,7 +146,8 @@ def initialize(
       loss_fn: ``loss_fn(params, micro_batch) -> loss`` (``(loss, aux)`` with ``has_aux``; a third argument
         ``rng`` with ``rng_seed``).
       params: the initial parameters (any float dtype; kept as float32 master weights).
-      mesh: the data-parallel mesh (default: every device on one axis ``axis``).
+      mesh: the data-parallel mesh (default: every device on one axis ``axis``; under MPI, this process's one
+        device, chosen by its node-local rank; a given mesh must then have one device).
       exp_avg_mask: 1-bit Adam's momentum mask (e.g. :func:`jonebit.models.bert.position_embedding_mask`).
       has_aux, rng_seed: see :func:`jonebit.train.engine.make_train_step`.
       tx: an optax transformation replacing the config's optimizer section (the config may then omit it).
@@ -125,12 +156,28 @@ def initialize(
     """
     if not isinstance(config, DeepSpeedConfig):
         config = load_config(config)
+    opt = config.optimizer
+    mpi_comm = None
+    if opt is not None and opt.type in _ONEBIT and opt.params.get("comm_backend_name") == "mpi" \
+            and opt.type != "ZeroOneAdam":
+        if tx is not None:
+            raise ValueError(
+                "initialize: optimizer.params.comm_backend_name is \"mpi\": the engine builds the MPI optimizer from "
+                "the config (tx=... would bypass its communicator); drop tx, or set comm_backend_name to \"nccl\"")
+        if mesh is not None and mesh.size != 1:
+            raise ValueError(
+                f"initialize: with comm_backend_name \"mpi\" each MPI process is one data-parallel rank with one "
+                f"device; the mesh has {mesh.size} devices. Launch one process per device (mpirun -np <devices> "
+                "python train.py) and leave mesh=None (each process then takes one of its local devices, by its "
+                "node-local rank)")
+        mpi_comm = _mpi_world()
+        if mesh is None:
+            mesh = _process_mesh(mpi_comm, axis)
     mesh = mesh if mesh is not None else data_mesh(axis=axis)
     if axis not in mesh.shape:
         raise ValueError(f"initialize: mesh has axes {tuple(mesh.shape)}, not the data axis {axis!r}")
-    dp = int(mesh.shape[axis])
+    dp = int(mesh.shape[axis]) * (1 if mpi_comm is None else int(mpi_comm.Get_size()))
     batch = config.batch_sizes(dp)
-    opt = config.optimizer
     if opt is not None and opt.type == "ZeroOneAdam" and tx is None:
         raise ConfigError(
             "optimizer.type",
@@ -138,14 +185,8 @@ def initialize(
             "replicated copy; train 0/1 Adam with jonebit.zero_one_adam in a shard_map step whose params carry a "
             "rank axis (see its docstring), or use OneBitAdam / OneBitLamb here",
         )
-    if opt is not None and opt.type in _ONEBIT and opt.params.get("comm_backend_name") == "mpi":
-        raise ConfigError(
-            "optimizer.params.comm_backend_name",
-            "the engine runs over jax collectives (comm_backend_name \"nccl\"); the MPI path is available through "
-            "jonebit.onebit_adam(..., mpi_comm=...) with your own step",
-        )
     if tx is None:
-        tx = build_optimizer(config, axis_name=axis, exp_avg_mask=exp_avg_mask, fused=fused)
+        tx = build_optimizer(config, axis_name=axis, mpi_comm=mpi_comm, exp_avg_mask=exp_avg_mask, fused=fused)
         learning_rate = build_schedule(config.scheduler, opt)
     else:
         learning_rate = build_schedule(config.scheduler, opt) if opt is not None else None
@@ -172,7 +213,36 @@ def initialize(
     step = make_train_step(
         loss_fn, tx, mesh, specs, accumulation_steps=batch.gradient_accumulation_steps, compute_dtype=compute,
         loss_scaling=scaling, grad_reduce=None if onebit else "mean", axis=axis, has_aux=has_aux,
-        rng_seed=rng_seed, zero_stage=stage, offload_optimizer=offload,
+        rng_seed=rng_seed, zero_stage=stage, offload_optimizer=offload, mpi_comm=mpi_comm,
     )
     return Engine(config=config, batch=batch, tx=tx, step=step, state=state, learning_rate=learning_rate,
-                  freeze_step=freeze_step, mesh=mesh)
+                  freeze_step=freeze_step, mesh=mesh, mpi_comm=mpi_comm)
+
+
+def _mpi_world():
+    """A duplicate of ``MPI.COMM_WORLD`` (the engine's collectives stay apart from the script's own MPI calls)."""
+    try:
+        import mpi4jax  # noqa: F401
+        from mpi4py import MPI
+    except ImportError as e:
+        raise ConfigError(
+            "optimizer.params.comm_backend_name",
+            f"\"mpi\" needs mpi4py and mpi4jax ({e}): pip install 'jonebit[mpi]', then launch with "
+            "mpirun -np <ranks> python train.py; or use \"nccl\" (jax collectives over this process's devices)",
+        ) from e
+    return MPI.COMM_WORLD.Dup()
+
+
+def _process_mesh(comm, axis: str) -> jax.sharding.Mesh:
+    """A one-device mesh for this MPI process: local device ``node-local rank mod local device count``."""
+    from jax.sharding import AxisType
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        local_rank = int(local.Get_rank())
+    finally:
+        local.Free()
+    devices = jax.local_devices()
+    device = devices[local_rank % len(devices)]
+    return jax.make_mesh((1,), (axis,), axis_types=(AxisType.Explicit,), devices=[device])

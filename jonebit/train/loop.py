@@ -13,6 +13,11 @@
   ``aux`` scalars; ``seconds`` is the mean wall time per step since the previous line, the first line
   includes compilation), the same scalars as TensorBoard event files in ``OUTPUT/tensorboard`` (tensorboardX), a tqdm
   bar, and a console line every ``steps_per_print`` steps.
+* **MPI** (a step built with ``mpi_comm``, e.g. ``initialize`` with ``comm_backend_name: "mpi"`` under
+  ``mpirun``): rank 0 alone writes metrics, TensorBoard and the bar (``bytes_sent`` is NaN: mpi4jax's traffic is
+  not in the compiled program); each rank checkpoints into ``checkpoints/rank-<r>/`` (its error buffers and data
+  position are its own), resumes from the newest step all ranks hold, and only with the same world size; a
+  signal stops every rank after the same step.
 * **non-finite steps**: the engine skips them on every rank; ``nonfinite="raise"`` stops the run instead, with
   the step number (checked every step, which costs one device-to-host sync per step).
 
@@ -192,18 +197,21 @@ def _abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
-def _world_size(state: TrainState) -> int:
-    return int(jax.tree.leaves(state.params)[0].sharding.mesh.size)
+def _world_size(state: TrainState, mpi=None) -> int:
+    """Data-parallel ranks: the mesh's devices, times the MPI processes for a step built with ``mpi_comm``."""
+    return int(jax.tree.leaves(state.params)[0].sharding.mesh.size) * (1 if mpi is None else int(mpi.size))
 
 
 class _Checkpoints:
     """orbax CheckpointManager of ``TrainState`` + JSON (data position, world size)."""
 
-    def __init__(self, directory: pathlib.Path, config: LoopConfig):
+    def __init__(self, directory: pathlib.Path, config: LoopConfig, mpi=None, host_comm=None):
         import orbax.checkpoint as ocp
         from orbax.checkpoint import checkpoint_managers as policies
 
-        self.ocp = ocp
+        self.ocp, self.mpi, self.host_comm = ocp, mpi, host_comm
+        if mpi is not None:  # every MPI rank has its own error buffers and data position: its own directory
+            directory = directory / f"rank-{mpi.rank}"
         self.manager = ocp.CheckpointManager(
             directory.absolute(),
             options=ocp.CheckpointManagerOptions(
@@ -215,7 +223,17 @@ class _Checkpoints:
         )
 
     def latest(self) -> int | None:
-        return self.manager.latest_step()
+        if self.mpi is None:
+            return self.manager.latest_step()
+        # Under MPI: the newest step every rank holds (a kill may have left one rank a checkpoint ahead).
+        steps = self.host_comm.allgather(sorted(self.manager.all_steps()))
+        common = set(steps[0]).intersection(*map(set, steps[1:]))
+        if not common and any(steps):
+            raise ValueError(
+                f"{self.manager.directory.parent}: the MPI ranks hold no common checkpoint step (per rank: "
+                f"{[s[-3:] for s in steps]}); each rank resumes from its own rank-<r>/ directory, so all of them "
+                "must be present, written by a run with the same number of processes")
+        return max(common) if common else None
 
     def save(self, step: int, state: TrainState, meta: dict) -> None:
         if step in self.manager.all_steps():
@@ -227,7 +245,7 @@ class _Checkpoints:
     def restore(self, step: int, target: TrainState) -> tuple[TrainState, dict]:
         ocp = self.ocp
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        saved, current = meta.get("world_size"), _world_size(target)
+        saved, current = meta.get("world_size"), _world_size(target, self.mpi)
         if saved != current:
             raise ValueError(
                 f"checkpoint step {step} in {self.manager.directory} was written by {saved} data-parallel ranks, this "
@@ -321,8 +339,15 @@ def train(
                             f"{type(batches).__name__} has no {name}()")
     out = pathlib.Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ckpt = _Checkpoints(out / "checkpoints", config)
-    lead = jax.process_index() == 0
+    mpi = getattr(step, "mpi", None)  # a step built with mpi_comm: this process is one rank of an MPI job
+    host_comm = None
+    if mpi is not None:
+        # The loop's own MPI calls (checkpoint steps, signals) run on the host while mpi4jax's run inside the
+        # compiled steps: a communicator of their own, made while no step is in flight.
+        jax.block_until_ready(state)
+        host_comm = mpi.comm.Dup()
+    ckpt = _Checkpoints(out / "checkpoints", config, mpi, host_comm)
+    lead = jax.process_index() == 0 and (mpi is None or mpi.rank == 0)
 
     start = 0
     if resume and (latest := ckpt.latest()) is not None:
@@ -363,8 +388,9 @@ def train(
         t_last, examples, logged = time.perf_counter(), 0, start
         for i in range(start, config.max_steps):
             batch = next(batches)
-            if stage_bytes is None:
-                stage_bytes = _stage_bytes(step, state, jax.device_put(batch, _batch_sharding(state)))
+            if stage_bytes is None:  # MPI traffic (mpi4jax) is not in the compiled program: not counted
+                stage_bytes = {} if mpi is not None else _stage_bytes(
+                    step, state, jax.device_put(batch, _batch_sharding(state)))
             examples += len(next(iter(jax.tree.leaves(batch))))
             state, metrics = step(state, batch)
             n = i + 1
@@ -403,9 +429,14 @@ def train(
                     on_log(record)
             if bar is not None:
                 bar.update(1)
+            if mpi is not None and mpi.size > 1:  # ranks see signals at different steps: stop together
+                from mpi4py import MPI
+
+                signum = host_comm.allreduce(int(stop["signal"] or 0), op=MPI.MAX)
+                stop["signal"] = signum or None
             if (config.checkpoint_every and n % config.checkpoint_every == 0) or n == config.max_steps \
                     or stop["signal"] is not None:
-                ckpt.save(n, state, {"step": n, "data": batches.get_state(), "world_size": _world_size(state)})
+                ckpt.save(n, state, {"step": n, "data": batches.get_state(), "world_size": _world_size(state, mpi)})
             if stop["signal"] is not None:
                 ckpt.wait()
                 raise Preempted(f"stopped by {signal.Signals(stop['signal']).name} after step {n}; checkpoint "
@@ -420,6 +451,8 @@ def train(
         if writer is not None:
             writer.close()
         ckpt.close()
+        if host_comm is not None:
+            host_comm.Free()
 
 
 def _batch_sharding(state: TrainState):

@@ -288,10 +288,15 @@ def _bad_calls():
         ("int params", lambda: init_train_state(tx, {"w": jnp.zeros(3, jnp.int32)}, mesh), TypeError,
          r"param \['w'\] has dtype int32"),
         ("mesh axis", lambda: init_train_state(tx, _params(), mesh, axis="dp"), ValueError, r"not the data axis 'dp'"),
+        # mpi_comm (the engine under mpirun, tests/train/test_engine_mpi.py): refused before MPI is touched.
+        ("mpi mean", lambda: build(grad_reduce="mean", mpi_comm=object()), ValueError,
+         r"mpi_comm is for 1-bit optimizers .* got grad_reduce='mean'"),
+        ("mpi mesh", lambda: build(mpi_comm=object()), ValueError,
+         r"with mpi_comm each MPI process is one data-parallel rank and owns one device; the mesh has 8"),
     ]
 
 
-@pytest.mark.parametrize("case", range(17))
+@pytest.mark.parametrize("case", range(19))
 def test_bad_inputs(case):
     name, call, exc, pattern = _bad_calls()[case]
     with pytest.raises(exc, match=pattern):
@@ -299,5 +304,5 @@ def test_bad_inputs(case):
 
 
 def test_bad_input_table_is_complete():
-    assert len(_bad_calls()) == 17
+    assert len(_bad_calls()) == 19
     assert isinstance(init_train_state(optax.sgd(0.1), _params(), data_mesh())[0], TrainState)

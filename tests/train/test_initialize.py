@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 
+from jonebit.sharding.mesh import data_mesh
 from jonebit.train.config import ConfigError
 from jonebit.train.initialize import initialize
 from tests.reference import NumpyOneBitAdamFull
@@ -84,8 +86,6 @@ class _Repeat:
 @pytest.mark.parametrize("update, pattern", [
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
      r"offload_optimizer.device.*needs ZeRO stage 1, 2 or 3"),
-    ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 5, "comm_backend_name": "mpi"}}},
-     r"comm_backend_name.*jax collectives"),
     ({"train_batch_size": 30}, r"train_batch_size"),
     ({"optimizer": {"type": "ZeroOneAdam", "params": {"lr": 1e-3}}},
      r"optimizer.type.*different parameters on every rank.*jonebit.zero_one_adam"),
@@ -95,6 +95,28 @@ def test_refused_configs(update, pattern):
     cfg.update(update)
     with pytest.raises(ConfigError, match=pattern):
         initialize(cfg, loss_fn, _params())
+
+
+_MPI_ADAM = {"train_batch_size": 32, "optimizer": {"type": "OneBitAdam", "params": {
+    "lr": 1e-3, "freeze_step": 5, "comm_backend_name": "mpi"}}}
+
+
+@pytest.mark.parametrize("kw, pattern", [
+    ({"tx": "adam"}, r"comm_backend_name is \"mpi\".*drop tx"),
+    ({"mesh": "all"}, r"one data-parallel rank with one device; the mesh has 8 devices.*mpirun -np"),
+])
+def test_refused_mpi_arguments(kw, pattern):
+    """comm_backend_name "mpi" (the engine over mpirun, tests/train/test_engine_mpi.py): refused arguments. Checked
+    before MPI is initialised, so this process stays MPI-free."""
+    kw = {"tx": optax.adam(1e-3)} if "tx" in kw else {"mesh": data_mesh()}
+    with pytest.raises(ValueError, match=pattern):
+        initialize(_MPI_ADAM, loss_fn, _params(), **kw)
+
+
+def test_mpi_config_without_mpi4jax_names_the_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mpi4jax", None)
+    with pytest.raises(ConfigError, match=r"comm_backend_name.*needs mpi4py and mpi4jax.*mpirun -np"):
+        initialize(_MPI_ADAM, loss_fn, _params())
 
 
 def _local_grads(params, batch, p):
