@@ -116,6 +116,8 @@ def make_evaluate(graphdef, keys, rest, data, batch_size: int, max_batches: int)
     import optax
     from flax import nnx
 
+    from jonebit.train.engine import model_params
+
     @jax.jit
     def sums(params, batch):
         fixed = jax.tree.map(lambda x: x, keys)  # fresh Variables in this trace
@@ -136,7 +138,7 @@ def make_evaluate(graphdef, keys, rest, data, batch_size: int, max_batches: int)
     batches = [data.rows(np.arange(i * batch_size, (i + 1) * batch_size)) for i in range(n)]
 
     def evaluate(state) -> dict:
-        params = jax.device_get(state.params)
+        params = jax.device_get(model_params(state.params))
         total = sum(np.asarray(sums(params, b), np.float64) for b in batches)
         return {"mlm_loss": total[0] / total[2], "mlm_accuracy": total[1] / total[2],
                 "nsp_accuracy": total[3] / total[4]}
@@ -177,7 +179,7 @@ def run(
     from jonebit.data.pretraining import PretrainingData
     from jonebit.data.tokenization import load_wordpiece
     from jonebit.models.bert import position_embedding_mask, save_hf_checkpoint
-    from jonebit.train.config import load_config
+    from jonebit.train.config import ONEBIT_OPTIMIZERS, load_config
     from jonebit.train.initialize import initialize
 
     tokenizer = load_wordpiece(vocab_file)
@@ -187,7 +189,7 @@ def run(
         raise ValueError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings "
                          f"{net.config.max_position_embeddings}")
     graphdef, params, keys, rest = nnx.split(net, nnx.Param, nnx.RngState, ...)
-    onebit = cfg.optimizer is not None and cfg.optimizer.type == "OneBitAdam"
+    onebit = cfg.optimizer is not None and cfg.optimizer.type in ONEBIT_OPTIMIZERS
     mask = position_embedding_mask(params, seq_len) if onebit else None
     engine = initialize(cfg, make_loss(graphdef, keys, rest), params, exp_avg_mask=mask, rng_seed=seed,
                         fused=fused)
@@ -203,7 +205,7 @@ def run(
                  resume=resume)
     seconds = time.perf_counter() - t0
     if export and jax.process_index() == 0:
-        nnx.update(net, jax.device_get(engine.state.params))
+        nnx.update(net, jax.device_get(engine.params))
         save_hf_checkpoint(net, output / "hf")
         tokenizer.save_vocab(output / "hf" / "vocab.txt")
     records = [json.loads(x) for x in (output / "metrics.jsonl").read_text().splitlines() if x.strip()]

@@ -335,7 +335,8 @@ def run(
     from jonebit.data.tokenization import load_wordpiece
     from jonebit.models.bert import position_embedding_mask, save_hf_checkpoint
     from jonebit.sharding.mesh import data_mesh
-    from jonebit.train.config import load_config
+    from jonebit.train.config import ONEBIT_OPTIMIZERS, load_config
+    from jonebit.train.engine import model_params
     from jonebit.train.initialize import initialize
     from jonebit.train.loop import ArrayBatches
 
@@ -394,7 +395,7 @@ def run(
         print(f"the config has no scheduler: BingBertSQuAD's linear warmup over {warmup_proportion:.0%} of the "
               f"{steps} steps and linear decay (peak lr {lr:g})")
     ds = load_config(cfg)
-    onebit = ds.optimizer is not None and ds.optimizer.type == "OneBitAdam"
+    onebit = ds.optimizer is not None and ds.optimizer.type in ONEBIT_OPTIMIZERS
     freeze = ds.optimizer.params["freeze_step"] if onebit else None
     if onebit and freeze != "auto" and freeze - 1 >= steps:
         print(f"note: 1-bit Adam's freeze_step {ds.optimizer.params['freeze_step']} is past the {steps} steps of "
@@ -416,7 +417,7 @@ def run(
 
     def evaluate(state) -> dict:
         t0 = time.perf_counter()
-        start, end = predict(state.params, eval_features, predict_batch_size, progress)
+        start, end = predict(model_params(state.params), eval_features, predict_batch_size, progress)
         last.update(seconds=time.perf_counter() - t0, step=int(jax.device_get(state.step)))
         last["total"] = last.get("total", 0.0) + last["seconds"]
         last["answers"] = evalset.answers(start, end)
@@ -443,7 +444,7 @@ def run(
         else:
             score["data_file"] = str(pathlib.Path(predict_file))
         (out / "eval.json").write_text(json.dumps(score, indent=2) + "\n")
-        nnx.update(net, jax.device_get(engine.state.params))
+        nnx.update(net, jax.device_get(engine.params))
         save_hf_checkpoint(net, out / "hf")
         tokenizer.save_vocab(out / "hf" / "vocab.txt")
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]

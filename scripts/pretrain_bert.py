@@ -73,7 +73,7 @@ def main() -> None:
     loop = engine.loop_config(out, args.max_steps, checkpoint_every=1000, tokens_per_example=args.seq_len)
     engine.train(data.batches(engine.batch.train_batch_size, seed=args.seed), loop)
     if jax.process_index() == 0:
-        nnx.update(model, jax.device_get(engine.state.params))
+        nnx.update(model, jax.device_get(engine.params))
         save_hf_checkpoint(model, out / "hf")  # transformers.BertForPreTraining.from_pretrained(out / "hf") loads it
         tokenizer.save_vocab(out / "hf" / "vocab.txt")
         print(f"metrics: {out / 'metrics.jsonl'}, model: {out / 'hf'}")

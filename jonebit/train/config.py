@@ -1121,6 +1121,9 @@ def _build_onebit_lamb(params: dict, learning_rate, options: dict) -> optax.Grad
     )
 
 
+# The optimizers that take each rank's local gradient and communicate themselves (compressed).
+ONEBIT_OPTIMIZERS = ("OneBitAdam", "OneBitLamb", "ZeroOneAdam")
+
 OPTIMIZERS: Mapping[str, OptimizerSpec] = types.MappingProxyType({
     "adam": OptimizerSpec("Adam", _ADAM_PARAMS, lambda p, lr, o: _build_adam(p, lr, o, decoupled_default=False),
                           ignored=_ADAM_IGNORED),

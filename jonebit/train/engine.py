@@ -31,6 +31,10 @@ optimizer state's, stages 2-3: the gradients'), and the update runs in the globa
 with ``onebit_adam(..., zero_stage=k)`` keeps its own layouts and communication (stage 3: the parameters are
 :class:`~jonebit.train.onebit_zero.FlatParams`), and runs in the per-device view like stage 0.
 
+**0/1 Adam** moves each rank's parameters on their own during its local steps, so the state holds one copy per
+rank (:class:`RankParams`: every leaf with a leading rank axis, split over the data axis); each rank computes its
+gradient at, and updates, its own copy. :func:`model_params` gives rank 0's copy (what DeepSpeed's rank 0 saves).
+
 The step returns the new :class:`TrainState` and a dict of scalar metrics (``loss``, ``grad_norm``,
 ``loss_scale``, ``skipped``). The loop (:mod:`jonebit.train.loop`) decides what to do with skipped steps
 (count them, or raise with ``nonfinite="raise"``).
@@ -54,13 +58,16 @@ from jonebit.sharding.zero import OFFLOAD_MEMORY_KIND, check_stage, leaf_spec, t
 from jonebit.train.onebit_zero import FlatParams, find_onebit_state, local_abstract_state, onebit_stage
 from jonebit.train.zero import init_zero
 from jonebit.transforms.onebit_adam import sharded_init
+from jonebit.transforms.zero_one_adam import ZeroOneAdamState
 
 __all__ = [
     "LossScaleState",
     "LossScaling",
+    "RankParams",
     "TrainState",
     "init_train_state",
     "make_train_step",
+    "model_params",
     "train_state_specs",
 ]
 
@@ -166,14 +173,47 @@ class LossScaling:
         return jax.tree.map(lambda d, u: jnp.where(overflow, d, u), down, up)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RankParams:
+    """Parameters kept one copy per data-parallel rank (0/1 Adam: its local steps move each rank's own).
+
+    ``copies`` is the parameter tree with a leading rank axis on every leaf (``(ranks, *shape)``), split over
+    the data axis, so each device holds its rank's copy. :meth:`tree` gives rank 0's copy.
+    """
+
+    copies: Any
+
+    def tree(self):
+        def first(c):
+            s = getattr(c, "sharding", None)
+            if isinstance(s, jax.NamedSharding):  # replicated where the copies lived (explicit axes: say so)
+                return c.at[0].get(out_sharding=jax.NamedSharding(s.mesh, P()))
+            return c[0]
+
+        return jax.tree.map(first, self.copies)
+
+
+def model_params(params):
+    """The ordinary parameter tree of a :class:`TrainState`'s ``params``, whatever their layout: rank 0's copy
+    of :class:`RankParams`, the gathered tree of :class:`~jonebit.train.onebit_zero.FlatParams`, else as is."""
+    return params.tree() if isinstance(params, RankParams | FlatParams) else params
+
+
+def moves_params_per_rank(opt_state) -> bool:
+    """Whether the optimizer state belongs to an optimizer whose ranks move their own parameters (0/1 Adam)."""
+    is_zo = lambda n: isinstance(n, ZeroOneAdamState)  # noqa: E731
+    return any(is_zo(n) for n in jax.tree.leaves(opt_state, is_leaf=is_zo))
+
+
 class TrainState(NamedTuple):
     """Everything a training step changes.
 
     Attributes:
       step: optimizer steps taken, skipped ones included (int32).
       params: the float32 master parameters: replicated at ZeRO stages 0-2, partitioned over the data axis at
-        stage 3 (:class:`~jonebit.train.onebit_zero.FlatParams` with a 1-bit optimizer; ``.tree()`` gives the
-        ordinary tree).
+        stage 3 (:class:`~jonebit.train.onebit_zero.FlatParams` with a 1-bit optimizer), one copy per rank with
+        0/1 Adam (:class:`RankParams`); :func:`model_params` gives the ordinary tree of any of them.
       opt_state: the optimizer state (1-bit error buffers one row per rank, see :func:`jonebit.state_specs`;
         partitioned at ZeRO stages 1-3, in host memory with ``offload_optimizer``).
       loss_scale: the loss-scale state (present, and constant, also without fp16).
@@ -257,6 +297,15 @@ def init_train_state(
     if stage == 0:
         opt_state, opt_specs = sharded_init(tx, master, mesh, axis)
         param_specs = P()
+        if moves_params_per_rank(opt_state):  # 0/1 Adam: every rank starts from the same copy
+            ranks = int(mesh.shape[axis])
+            master = RankParams(jax.jit(
+                lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x[None], (ranks, *x.shape)), t),
+                out_shardings=jax.NamedSharding(mesh, P(axis)))(master))
+            param_specs = RankParams(P(axis))
+    elif moves_params_per_rank(local_abstract_state(tx, master, mesh)):
+        raise ValueError(f"init_train_state: 0/1 Adam runs at ZeRO stage 0 only (its local steps move every rank's "
+                         f"whole parameters); got zero_stage={stage}")
     else:
         master, opt_state, sh = init_zero(tx, master, mesh, stage=stage, axis=axis,
                                           offload_optimizer=offload_optimizer)
@@ -406,6 +455,7 @@ def make_train_step(
             "optimizers, which communicate themselves)"
         )
     flat = isinstance(specs.params, FlatParams)
+    per_rank = isinstance(specs.params, RankParams)
     mpi = _mpi_backend(mpi_comm, grad_reduce, stage, mesh)
     # The rank id of this device among all data-parallel ranks (MPI processes x local devices), for the rng.
     rank_offset = 0 if mpi is None else mpi.rank * ranks
@@ -465,6 +515,8 @@ def make_train_step(
         if flat:  # 1-bit ZeRO-3: gather the server chunks (in the compute dtype: the cast commutes with it)
             chunks = tuple(lax.all_gather(c.astype(dtype), axis, tiled=True) for c in state.params.chunks)
             local, tx_params = state.params.layout.from_chunks(chunks), state.params.chunks
+        elif per_rank:  # this rank's own copy (already varying over the data axis)
+            local = tx_params = jax.tree.map(lambda x: x[0], state.params.copies)
         else:
             local, tx_params = lax.pcast(state.params, axis, to="varying"), state.params
         scale = state.loss_scale.scale
@@ -483,6 +535,8 @@ def make_train_step(
         def apply(_):
             updates, opt_state = tx.update(grads, state.opt_state, tx_params)
             new = optax.apply_updates(tx_params, updates)
+            if per_rank:
+                return RankParams(jax.tree.map(lambda x: x[None], new)), opt_state
             return (FlatParams(chunks=tuple(new), layout=state.params.layout) if flat else new), opt_state
 
         # A skipped step keeps every leaf: a select rather than a conditional, so that it fuses into the
@@ -626,7 +680,9 @@ def make_train_step(
     step.mpi = mpi  # the loop reads the MPI rank and world size from it
     # With grad_reduce="mean" the optimizer is a local computation; its only traffic is the engine's own (the
     # ZeRO path's parameter all-gathers included: its update is not inside a conditional).
-    step.tx_report = None if grad_reduce is not None or mpi is not None else (
+    # 0/1 Adam's phases are nested conditionals the per-stage report does not model: its bytes per phase are
+    # in benchmarks/family_bytes.py.
+    step.tx_report = None if grad_reduce is not None or mpi is not None or per_rank else (
         tx_report if stage == 0 else onebit_zero_report)
     return step
 

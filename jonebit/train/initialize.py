@@ -35,14 +35,21 @@ import optax
 
 from jonebit.sharding.mesh import data_mesh
 from jonebit.sharding.zero import _per_rank_rule
-from jonebit.train.config import BatchSizes, ConfigError, DeepSpeedConfig, build_optimizer, build_schedule, load_config
-from jonebit.train.engine import LossScaling, TrainState, init_train_state, make_train_step
+from jonebit.train.config import (
+    ONEBIT_OPTIMIZERS,
+    BatchSizes,
+    ConfigError,
+    DeepSpeedConfig,
+    build_optimizer,
+    build_schedule,
+    load_config,
+)
+from jonebit.train.engine import LossScaling, TrainState, init_train_state, make_train_step, model_params
 from jonebit.train.loop import ArrayBatches, LoopConfig, ResumableIterator, train
 from jonebit.transforms.onebit_adam import is_onebit_state
 
 __all__ = ["Engine", "initialize", "loss_scaling_from_config"]
 
-_ONEBIT = ("OneBitAdam", "OneBitLamb", "ZeroOneAdam")
 
 
 def _is_local_gradient_state(node) -> bool:
@@ -72,7 +79,8 @@ class Engine:
       tx: the optimizer (schedule and clipping included).
       step: ``step(state, global_batch) -> (state, metrics)`` (see :func:`jonebit.train.engine.make_train_step`).
       state: the current :class:`~jonebit.train.engine.TrainState` (at ZeRO stage 3 with 1-bit Adam its params
-        are :class:`~jonebit.train.onebit_zero.FlatParams`; ``state.params.tree()`` gives the ordinary tree).
+        are :class:`~jonebit.train.onebit_zero.FlatParams`, with 0/1 Adam one copy per rank,
+        :class:`~jonebit.train.engine.RankParams`; :attr:`params` gives the ordinary tree in every case).
       learning_rate: the schedule (a function of the optimizer's update count) or a constant.
       freeze_step: jonebit's ``freeze_step`` of a 1-bit optimizer (DeepSpeed's minus one), ``"auto"`` when the
         optimizer decides it (see :func:`jonebit.train.loop.decided_freeze_step`), else ``None``.
@@ -90,6 +98,12 @@ class Engine:
     freeze_step: int | str | None
     mesh: jax.sharding.Mesh
     mpi_comm: Any = None
+
+    @property
+    def params(self):
+        """The model's parameter tree (float32 master weights; with 0/1 Adam rank 0's copy, which is what
+        DeepSpeed's rank 0 saves), e.g. for evaluation or export."""
+        return model_params(self.state.params)
 
     @property
     def process_index(self) -> int:
@@ -158,8 +172,7 @@ def initialize(
         config = load_config(config)
     opt = config.optimizer
     mpi_comm = None
-    if opt is not None and opt.type in _ONEBIT and opt.params.get("comm_backend_name") == "mpi" \
-            and opt.type != "ZeroOneAdam":
+    if opt is not None and opt.type in ONEBIT_OPTIMIZERS and opt.params.get("comm_backend_name") == "mpi":
         if tx is not None:
             raise ValueError(
                 "initialize: optimizer.params.comm_backend_name is \"mpi\": the engine builds the MPI optimizer from "
@@ -178,13 +191,6 @@ def initialize(
         raise ValueError(f"initialize: mesh has axes {tuple(mesh.shape)}, not the data axis {axis!r}")
     dp = int(mesh.shape[axis]) * (1 if mpi_comm is None else int(mpi_comm.Get_size()))
     batch = config.batch_sizes(dp)
-    if opt is not None and opt.type == "ZeroOneAdam" and tx is None:
-        raise ConfigError(
-            "optimizer.type",
-            "ZeroOneAdam keeps different parameters on every rank during its local steps, and the engine holds one "
-            "replicated copy; train 0/1 Adam with jonebit.zero_one_adam in a shard_map step whose params carry a "
-            "rank axis (see its docstring), or use OneBitAdam / OneBitLamb here",
-        )
     if tx is None:
         tx = build_optimizer(config, axis_name=axis, mpi_comm=mpi_comm, exp_avg_mask=exp_avg_mask, fused=fused)
         learning_rate = build_schedule(config.scheduler, opt)
@@ -207,7 +213,7 @@ def initialize(
     onebit = any(_is_local_gradient_state(n)
                  for n in jax.tree.leaves(state.opt_state, is_leaf=_is_local_gradient_state))
     freeze_step = None
-    if onebit and opt is not None and opt.type in _ONEBIT and "freeze_step" in opt.params:
+    if onebit and opt is not None and opt.type in ONEBIT_OPTIMIZERS and "freeze_step" in opt.params:
         f = opt.params["freeze_step"]  # "auto": the loop reads the decided point from the optimizer state
         freeze_step = "auto" if f == "auto" else int(f) - 1
     step = make_train_step(
