@@ -13,6 +13,7 @@ the latency term is there for extrapolation to real networks, where it is comput
 from __future__ import annotations
 
 import pathlib
+import re
 import statistics
 
 from benchmarks.cluster.netns import rate_bits
@@ -56,6 +57,98 @@ def host_link_bytes(collectives, hosts: list[int]) -> float:
     return sum(sent.values()) / len(sent)
 
 
+# The call graph of an optimized HLO module, as jonebit.comm.accounting walks it.
+_HLO_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$")
+_HLO_CALLEE = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
+_HLO_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_HLO_PRED = re.compile(r"true_computation=%?([\w.\-]+),\s*false_computation=%?([\w.\-]+)")
+
+
+def _hlo_graph(hlo_text: str) -> tuple[str, dict[str, list[tuple[str, list[str]]]]]:
+    """``(entry, {computation: [("call" | "cond", callee names), ...] in line order})``."""
+    graph: dict[str, list] = {}
+    entry = current = None
+    for line in hlo_text.splitlines():
+        if m := _HLO_HEADER.match(line):
+            current = m.group(1)
+            graph[current] = []
+            entry = current if line.startswith("ENTRY") else entry
+        elif current is not None:
+            if b := _HLO_BRANCHES.search(line):
+                graph[current].append(("cond", [x.strip().lstrip("%") for x in b.group(1).split(",")]))
+            elif b := _HLO_PRED.search(line):
+                graph[current].append(("cond", [b.group(1), b.group(2)]))
+            if callees := _HLO_CALLEE.findall(line):
+                graph[current].append(("call", callees))
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return entry, graph
+
+
+def _first_conditional(graph, name: str, seen=frozenset()) -> list[str] | None:
+    """Branches of the first conditional met depth-first from ``name`` (the order ``comm_report`` numbers them)."""
+    if name in seen or name not in graph:
+        return None
+    for kind, names in graph[name]:
+        if kind == "cond":
+            return names
+        for callee in names:
+            if (found := _first_conditional(graph, callee, seen | {name})) is not None:
+                return found
+    return None
+
+
+def _reachable(graph, name: str) -> set[str]:
+    out, todo = set(), [name]
+    while todo:
+        n = todo.pop()
+        if n not in out:
+            out.add(n)
+            todo += [c for _, names in graph.get(n, ()) for c in names]
+    return out
+
+
+def stage_collectives(report, hlo_text: str | None, branch: int | tuple[int, int]) -> tuple:
+    """The collectives one step of a stage runs: the unconditional ones and those of the stage's branch.
+
+    ``branch``: a branch of the step's first conditional (``report.branches[0]``), or ``(outer, inner)`` for a
+    stage nested one level deeper: branch ``inner`` of the first conditional inside branch ``outer`` (0/1 Adam
+    picks variance vs 1-bit steps, or sync vs local steps, inside its phase's branch). ``comm_report`` merges a
+    nested conditional into its branch; the HLO text (``hlo_text``) tells which computation a collective of
+    that branch lives in, so the collectives of the other inner branches are left out.
+    """
+    if isinstance(branch, int):
+        return (*report.always, *report.branches[0][branch])
+    outer, inner = branch
+    entry, graph = _hlo_graph(hlo_text)
+    top = _first_conditional(graph, entry)
+    nested = _first_conditional(graph, top[outer]) if top else None
+    if nested is None:
+        raise ValueError(f"no conditional inside branch {outer} of the step's first conditional")
+    mine = _reachable(graph, nested[inner])
+    others = set().union(*(_reachable(graph, b) for k, b in enumerate(nested) if k != inner)) - mine
+    return (*report.always, *(c for c in report.branches[0][outer] if c.computation not in others))
+
+
+# mpi4jax's collectives are custom calls in the compiled program; their result is ``(array, token)``.
+_MPI_CALL = re.compile(r"^(?P<head>\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*)"
+                       r"\((?P<shape>\w+\[[\d,]*\](?:\{[\d,]*\})?),\s*token\[\]\)\s+custom-call\((?P<rest>.*custom_call_target=\"mpi_(?P<op>allreduce|alltoall|allgather)"
+                       r"(?:_ffi)?\".*)$")
+_MPI_OPS = {"allreduce": "all-reduce", "alltoall": "all-to-all", "allgather": "all-gather"}
+
+
+def mpi_as_collectives(hlo_text: str) -> str:
+    """The compiled program's mpi4jax calls rewritten as the XLA collectives they stand for, so that
+    ``comm_report(text, ranks)`` costs them like the shard_map programs' (a call's result array, over all
+    ranks: an MPI allreduce as a ring all-reduce, alltoall and allgather with ``(P-1)/P`` of the result)."""
+    out = []
+    for line in hlo_text.splitlines():
+        if m := _MPI_CALL.match(line):
+            line = f"{m.group('head')}{m.group('shape')} {_MPI_OPS[m.group('op')]}({m.group('rest')}"
+        out.append(line)
+    return "\n".join(out)
+
+
 def predict(compute_s: float, wire_bytes: float, rate: str | float, latency_s: float = 0.0, rounds: int = 0) -> float:
     """Step time of the model. ``rate``: a tc rate string or bits per second."""
     bits = rate_bits(rate) if isinstance(rate, str) else float(rate)
@@ -90,35 +183,45 @@ def host_bytes(worker: dict, variant: str, stage: str) -> float:
     return per_host[variant][stage] if per_host else worker["comm_bytes_per_step"][variant][stage]
 
 
-def expected_phase_bytes(worker: dict, phase: int) -> float:
-    """Bytes one host should send in a phase: every step it ran times its stage's bytes over the link."""
+def expected_phase_bytes(worker: dict, phase: int, variant: str | None = None) -> float:
+    """Bytes one host should send in a phase (or in one variant's part of it): every step it ran times its
+    stage's bytes over the link."""
     total = 0.0
     for name, rec in worker["phases"][phase]["variants"].items():
+        if variant is not None and name != variant:
+            continue
         for stage, n in rec["dist_steps"].items():
             total += n * host_bytes(worker, name, stage)
     return total
 
 
 def summarise(runs: list[dict], rates: list[str]) -> dict:
-    """Rows (one per hosts x rate x variant stage) with measured and modelled times, and the link checks."""
+    """Rows (one per hosts x rate x variant stage) with measured and modelled times, and the link checks (per
+    variant where the run read the counters between variants, else per rate)."""
     rows, links = [], []
     for run in runs:
         hosts, w0, counters = run["hosts"], run["workers"][0], run["counters"]
-        overhead = {}
-        for k, rate in enumerate(rates):
+        plan = run.get("barriers") or [[rate, None] for rate in rates]  # older runs: one barrier per rate
+        sums: dict = {}  # rate -> per host [accounted, qdisc up]
+        for k, (rate, variant) in enumerate(plan):
             per_host = []
             for i, w in enumerate(run["workers"]):
                 # Per-device accounting is what crosses a host's link only with one device per host; with
                 # several the workers' ring-aware per-host count is needed (older records lack it).
                 exact = w.get("devices", hosts) == hosts or "host_bytes_per_step" in w
-                want = expected_phase_bytes(w, k) if exact else 0.0
+                want = expected_phase_bytes(w, rates.index(rate), variant) if exact else 0.0
                 up = counters[k + 1]["up"][i] - counters[k]["up"][i]
                 down = counters[k + 1]["down"][i] - counters[k]["down"][i]
                 per_host.append(dict(host=i, accounted=want, qdisc_up=up, qdisc_down=down,
                                      ratio_up=up / want if want else None))
+                acc = sums.setdefault(rate, [[0.0, 0.0] for _ in run["workers"]])[i]
+                acc[0], acc[1] = acc[0] + want, acc[1] + up
             ratios = [h["ratio_up"] for h in per_host if h["ratio_up"]]
-            overhead[rate] = statistics.fmean(ratios) if ratios else 1.0
-            links.append(dict(hosts=hosts, rate=rate, per_host=per_host, mean_ratio=overhead[rate]))
+            links.append(dict(hosts=hosts, rate=rate, variant=variant, per_host=per_host,
+                              mean_ratio=statistics.fmean(ratios) if ratios else None))
+        # The framing overhead of a rate: all its bytes on the wire over all its accounted bytes, mean over hosts.
+        overhead = {rate: statistics.fmean([up / want for want, up in per if want] or [1.0])
+                    for rate, per in sums.items()}
         for k, rate in enumerate(rates):
             for name, rec in w0["phases"][k]["variants"].items():
                 for stage, times in rec["dist_s"].items():
@@ -135,6 +238,11 @@ def summarise(runs: list[dict], rates: list[str]) -> dict:
     return dict(rows=rows, links=links, whole_run=whole_run(rows), model=__doc__.split("\n\n")[1].strip())
 
 
+def baseline(variant: str) -> str:
+    """The Adam row a variant is compared with: the one over the same transport (``_mpi`` rows: over MPI)."""
+    return "adam_mpi" if variant.endswith("_mpi") else "adam"
+
+
 def whole_run(rows: list[dict], warmup_fraction: float = 0.15) -> list[dict]:
     """Time of a run with ``warmup_fraction`` of its steps in a staged optimizer's warmup stage, relative to
     Adam's (from the per-step medians, measured and modelled), for every staged variant."""
@@ -143,9 +251,7 @@ def whole_run(rows: list[dict], warmup_fraction: float = 0.15) -> list[dict]:
     mix = lambda w, c: warmup_fraction * w + (1 - warmup_fraction) * c  # noqa: E731
     staged = list(dict.fromkeys(r["variant"] for r in rows if r["stage"] == "compression"))
     for (hosts, rate, variant, _), adam in by.items():
-        if variant != "adam":
-            continue
-        for name in staged:
+        for name in (n for n in staged if baseline(n) == variant):
             warm, comp = by.get((hosts, rate, name, "warmup")), by.get((hosts, rate, name, "compression"))
             if warm is None or comp is None:
                 continue
@@ -201,9 +307,9 @@ def _add_unshaped(rows: list[dict]) -> None:
 
 def _add_speedups(rows: list[dict]) -> None:
     """Each row's speedup over the full-precision Adam step at the same hosts and rate (measured, and model)."""
-    base = {(r["hosts"], r["rate"]): r for r in rows if r["variant"] == "adam"}
+    base = {(r["hosts"], r["rate"], r["variant"]): r for r in rows if r["variant"] in ("adam", "adam_mpi")}
     for r in rows:
-        b = base.get((r["hosts"], r["rate"]))
+        b = base.get((r["hosts"], r["rate"], baseline(r["variant"])))
         if b is not None:
             r["speedup_vs_adam"] = b["measured"]["median"] / r["measured"]["median"]
             r["model_speedup_vs_adam"] = b["model_s"] / r["model_s"]
@@ -243,13 +349,15 @@ def tables(report: dict) -> str:
     out += [f"| {w['hosts']} | {w['rate']} | {w.get('variant', 'onebit')} | {w['speedup']:.2f}x "
             f"({w['model_speedup']:.2f}x, "
             f"{_opt(w, 'model_unshaped_speedup', '.2f', 'x')}) |" for w in report["whole_run"]]
-    out += ["", "| hosts | rate | host | accounted MB sent | qdisc MB up | qdisc MB down | up / accounted |",
-            "|---|---|---|---|---|---|---|"]
+    out += ["", "| hosts | rate | variant | host | accounted MB sent | qdisc MB up | qdisc MB down | up / accounted |"
+                " down / accounted |", "|---|---|---|---|---|---|---|---|---|"]
     for link in report["links"]:
         for h in link["per_host"]:
             ratio = f"{h['ratio_up']:.3f}" if h["ratio_up"] else "-"
-            out.append(f"| {link['hosts']} | {link['rate']} | {h['host']} | {h['accounted'] / 1e6:.2f} | "
-                       f"{h['qdisc_up'] / 1e6:.2f} | {h['qdisc_down'] / 1e6:.2f} | {ratio} |")
+            down = f"{h['qdisc_down'] / h['accounted']:.3f}" if h["accounted"] else "-"
+            out.append(f"| {link['hosts']} | {link['rate']} | {link.get('variant') or 'all'} | {h['host']} | "
+                       f"{h['accounted'] / 1e6:.2f} | {h['qdisc_up'] / 1e6:.2f} | {h['qdisc_down'] / 1e6:.2f} | "
+                       f"{ratio} | {down} |")
     return "\n".join(out)
 
 

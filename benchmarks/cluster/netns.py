@@ -178,6 +178,60 @@ def exec_prefix(layout: Layout, i: int) -> list[str]:
     return ["ip", "netns", "exec", layout.netns(i)]
 
 
+# ------------------------------------------------------------------------------------------------- MPI launch
+#
+# mpirun treats each namespace as a node: the hostfile lists the namespaces' addresses (one slot each), and its
+# remote-shell agent is a script that runs the command inside the namespace of the address it is given, as ssh
+# would on that host. Every node also gets its own UTS namespace with the namespace's name as host name: with
+# one shared host name OpenMPI takes all ranks for one node (its HAN collectives then crashed in the tcp BTL
+# here), while distinct names make it see one rank per node, as on a real cluster.
+
+
+def mpi_hostfile(layout: Layout) -> str:
+    """OpenMPI hostfile: one line per host, its address with one slot."""
+    return "".join(f"{layout.address(i)} slots=1\n" for i in range(layout.hosts))
+
+
+def rsh_agent_script(layout: Layout) -> str:
+    """``plm_rsh_agent`` for mpirun: ``agent HOST COMMAND...`` runs COMMAND (one shell string, as ssh gets it)
+    inside HOST's namespace, under the namespace's name as host name."""
+    cases = "".join(f"  {layout.address(i)}|{layout.netns(i)}) ns={layout.netns(i)};;\n" for i in range(layout.hosts))
+    return ("#!/bin/sh\n# mpirun's remote shell into the emulated cluster's namespaces: nsrsh HOST COMMAND...\n"
+            "host=$1; shift\ncase $host in\n" + cases
+            + '  *) echo "nsrsh: $host is no host of this cluster" >&2; exit 255;;\nesac\n'
+            'exec ip netns exec "$ns" unshare --uts sh -c "hostname $ns && $*"\n')
+
+
+def mpirun_command(layout: Layout, hostfile: str, agent: str, argv: Sequence[str], *,
+                   mpirun: str = "mpirun", env_names: Sequence[str] = ()) -> list[str]:
+    """argv that starts ``argv`` once per host with mpirun, itself running in namespace 0 (host name ``{ns0}``);
+    MPI's own traffic (TCP BTL and the runtime's out-of-band channel) is pinned to the cluster's subnet.
+
+    Args:
+      layout: the cluster.
+      hostfile: path of :func:`mpi_hostfile`'s text.
+      agent: path of the executable :func:`rsh_agent_script`.
+      argv: the rank program.
+      mpirun: the mpirun executable.
+      env_names: environment variables forwarded to every rank (``-x``).
+    """
+    subnet = f"{layout.subnet}.0/24"
+    forward = [a for name in env_names for a in ("-x", name)]
+    return [*exec_prefix(layout, 0), "unshare", "--uts", "sh", "-c", f'hostname {layout.netns(0)} && exec "$@"',
+            "sh", mpirun, "-np", str(layout.hosts), "--hostfile", hostfile, "--bind-to", "none",
+            "--mca", "plm_rsh_agent", agent, "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", subnet,
+            "--mca", "oob_tcp_if_include", subnet, *forward, *argv]
+
+
+def mpi_environment(env: dict, venv_bin: str) -> dict:
+    """mpirun's environment: ``venv_bin`` first on PATH (its mpirun, prted and python), and as root OpenMPI's
+    consent to run as root."""
+    env = dict(env, PATH=os.pathsep.join(filter(None, [venv_bin, env.get("PATH")])))
+    if os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return env
+
+
 def teardown_commands(layout: Layout) -> list[list[str]]:
     """argv lists that remove everything :func:`setup_commands` makes. Deleting a namespace deletes its veth
     pair only once the kernel has finished with the namespace (asynchronously), so each pair is also deleted

@@ -3,10 +3,13 @@
 For each host count it builds the cluster (``netns.py``), starts one jax.distributed process per namespace
 (``worker.py``: gloo over the shaped links, one CPU device each), walks through the link rates (changing the
 HTB classes between phases while the processes keep their compiled steps), reads the qdisc byte counters at
-every phase boundary, and always tears the cluster down (also on an error, Ctrl-C or SIGTERM). Writes
-``results/cluster.json`` and ``results/cluster.png`` and prints the tables.
+every variant's boundary, and always tears the cluster down (also on an error, Ctrl-C or SIGTERM). With
+``--launcher mpi`` one mpirun (in namespace 0) starts one rank per namespace instead, each namespace a node of
+its hostfile, reached through a remote-shell agent that enters the namespace (``netns.rsh_agent_script``).
+Writes ``results/cluster.json`` and ``results/cluster.png`` and prints the tables.
 
     sudo .venv/bin/python benchmarks/cluster/run.py --hosts 2 4 --rates 1gbit 200mbit --model mini --repeats 5
+    sudo .venv/bin/python benchmarks/cluster/run.py --launcher mpi --hosts 2 --rates 1gbit 200mbit --out x.json
     sudo .venv/bin/python benchmarks/cluster/run.py --cleanup      # removes leftovers of a killed run
 
 Needs root, ``ip`` and ``tc`` (iproute2); exits with a message otherwise.
@@ -41,7 +44,11 @@ from benchmarks.cluster.netns import (  # noqa: E402
     find_leftovers,
     kill_namespace_processes,
     missing_requirements,
+    mpi_environment,
+    mpi_hostfile,
+    mpirun_command,
     rate_bits,
+    rsh_agent_script,
     run_command,
 )
 
@@ -58,7 +65,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--devices-per-host", type=int, default=1, help="simulated CPU devices per process")
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5, help="timed steps per stage and rate")
-    p.add_argument("--variants", nargs="+", default=None, help="worker.VARIANTS names (default: adam onebit)")
+    p.add_argument("--variants", nargs="+", default=None,
+                   help="worker.VARIANTS names (default: adam onebit; with --launcher mpi: adam_mpi onebit_mpi)")
+    p.add_argument("--launcher", choices=("gloo", "mpi"), default="gloo",
+                   help="gloo: one jax.distributed process per namespace; mpi: mpirun with one rank per namespace "
+                        "(each namespace a node of its hostfile), for the MPI variants")
     p.add_argument("--timeout", type=float, default=600, help="seconds allowed per host count (then killed)")
     p.add_argument("--prefix", default=DEFAULT_PREFIX, help="name prefix of namespaces and interfaces")
     p.add_argument("--subnet", default=DEFAULT_SUBNET, help="first three octets of the /24 used")
@@ -81,6 +92,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                 f"{args.devices_per_host}")
     if any(h < 1 for h in args.hosts):
         p.error(f"--hosts must all be at least 1, got {args.hosts}")
+    if args.variants is None:
+        args.variants = ["adam_mpi", "onebit_mpi"] if args.launcher == "mpi" else ["adam", "onebit"]
+    if args.launcher == "mpi" and args.devices_per_host != 1:
+        p.error("--launcher mpi runs one rank with one CPU device per host: --devices-per-host must be 1")
     return args
 
 
@@ -114,25 +129,56 @@ def _on_signal(signum, frame):
     raise _Terminated(f"signal {signum}")
 
 
-def _start_workers(layout: Layout, args, sync_dir: pathlib.Path, logs: list) -> list[subprocess.Popen]:
+def _worker_args(args, sync_dir: pathlib.Path) -> list[str]:
+    """The worker's arguments every host shares."""
+    return ["--launcher", args.launcher, "--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq),
+            "--repeats", str(args.repeats), "--phases", str(len(args.rates)), "--sync-dir", str(sync_dir),
+            "--variants", *args.variants]
+
+
+def _worker_env(args) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     if args.devices_per_host > 1:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices_per_host}"
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])))
+    return env
+
+
+def _start_workers(layout: Layout, args, sync_dir: pathlib.Path, logs: list) -> list[subprocess.Popen]:
+    env = _worker_env(args)
     procs = []
     for i in range(layout.hosts):
         cmd = ["timeout", "-s", "KILL", str(int(args.timeout)), *exec_prefix(layout, i), sys.executable,
                str(HERE / "worker.py"), "--coordinator", f"{layout.address(0)}:{COORDINATOR_PORT}",
-               "--num-processes", str(layout.hosts), "--process-id", str(i), "--model", args.model,
-               "--batch", str(args.batch), "--seq", str(args.seq), "--repeats", str(args.repeats),
-               "--phases", str(len(args.rates)), "--sync-dir", str(sync_dir), "--out", str(sync_dir / f"w{i}.json")]
-        if args.variants:
-            cmd += ["--variants", *args.variants]
+               "--num-processes", str(layout.hosts), "--process-id", str(i), *_worker_args(args, sync_dir),
+               "--out", str(sync_dir / f"w{i}.json")]
         log = open(sync_dir / f"w{i}.log", "w")  # noqa: SIM115 - closed by the caller
         logs.append(log)
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                       start_new_session=True))
     return procs
+
+
+MPI_ENV = ("JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES", "PYTHONPATH")  # forwarded to every rank
+
+
+def _start_mpi(layout: Layout, args, sync_dir: pathlib.Path, logs: list) -> list[subprocess.Popen]:
+    """One mpirun (in namespace 0) that starts one worker rank per namespace through the rsh agent."""
+    hostfile, agent = sync_dir / "hostfile", sync_dir / "nsrsh"
+    hostfile.write_text(mpi_hostfile(layout))
+    agent.write_text(rsh_agent_script(layout))
+    agent.chmod(0o755)
+    venv_bin = str(pathlib.Path(sys.executable).parent)
+    env = mpi_environment(_worker_env(args), venv_bin)
+    env["JAX_NUM_CPU_DEVICES"] = "1"
+    worker = [sys.executable, str(HERE / "worker.py"), *_worker_args(args, sync_dir),
+              "--out", str(sync_dir / "w{pid}.json")]
+    cmd = ["timeout", "-s", "KILL", str(int(args.timeout)),
+           *mpirun_command(layout, str(hostfile), str(agent), worker, mpirun=os.path.join(venv_bin, "mpirun"),
+                           env_names=MPI_ENV)]
+    log = open(sync_dir / "mpirun.log", "w")  # noqa: SIM115 - closed by the caller
+    logs.append(log)
+    return [subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)]
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -149,13 +195,13 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             pass
 
 
-def _wait_phase(sync_dir: pathlib.Path, phase: int, procs, deadline: float) -> None:
-    want = [sync_dir / f"phase{phase}.p{i}.waiting" for i in range(len(procs))]
+def _wait_phase(sync_dir: pathlib.Path, phase: int, hosts: int, procs, logs, deadline: float) -> None:
+    want = [sync_dir / f"phase{phase}.p{i}.waiting" for i in range(hosts)]
     while not all(w.exists() for w in want):
-        for i, p in enumerate(procs):
+        for p, log in zip(procs, logs, strict=True):
             if p.poll() is not None:
-                log = (sync_dir / f"w{i}.log").read_text()[-3000:]
-                raise RuntimeError(f"worker {i} exited with {p.returncode} before phase {phase}:\n{log}")
+                raise RuntimeError(f"{log.name} exited with {p.returncode} before phase {phase}:\n"
+                                   f"{pathlib.Path(log.name).read_text()[-3000:]}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"phase {phase}: workers not ready before the --timeout")
         time.sleep(0.1)
@@ -169,25 +215,28 @@ def run_hosts(hosts: int, args) -> dict:
     with tempfile.TemporaryDirectory(prefix="jonebit-cluster-") as tmp, Cluster(layout, args.rates[0]) as cluster:
         sync_dir = pathlib.Path(tmp)
         try:
-            procs = _start_workers(layout, args, sync_dir, logs)
-            for phase in range(len(args.rates) + 1):
-                _wait_phase(sync_dir, phase, procs, deadline)
+            procs = (_start_mpi if args.launcher == "mpi" else _start_workers)(layout, args, sync_dir, logs)
+            # The workers wait at a barrier before every variant of every rate (and at the end): the counters
+            # are read at each, the rate changed before a rate's first variant.
+            plan = [(rate, name) for rate in args.rates for name in args.variants]
+            for k in range(len(plan) + 1):
+                _wait_phase(sync_dir, k, hosts, procs, logs, deadline)
                 counters.append(cluster.counters())
-                rate = args.rates[phase] if phase < len(args.rates) else "end"
-                if phase < len(args.rates):
+                rate, name = plan[k] if k < len(plan) else ("end", None)
+                if name is not None and (k == 0 or plan[k - 1][0] != rate):
                     cluster.set_rate(rate)
-                (sync_dir / f"phase{phase}.go").write_text(rate)
-                print(f"  hosts={hosts} phase {phase}: {rate}", flush=True)
-            for i, p in enumerate(procs):
+                (sync_dir / f"phase{k}.go").write_text(rate)
+                print(f"  hosts={hosts} barrier {k}: {rate} {name or ''}", flush=True)
+            for p, log in zip(procs, logs, strict=True):
                 rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
                 if rc:
-                    raise RuntimeError(f"worker {i} exited with {rc}:\n{(sync_dir / f'w{i}.log').read_text()[-3000:]}")
+                    raise RuntimeError(f"{log.name} exited with {rc}:\n{pathlib.Path(log.name).read_text()[-3000:]}")
             workers = [json.loads((sync_dir / f"w{i}.json").read_text()) for i in range(hosts)]
         finally:
             _stop(procs)
             for log in logs:
                 log.close()
-    return dict(hosts=hosts, workers=workers, counters=counters)
+    return dict(hosts=hosts, workers=workers, counters=counters, barriers=[list(b) for b in plan])
 
 
 def main(args) -> int:

@@ -22,8 +22,11 @@ from benchmarks.cluster.netns import (
     exec_prefix,
     find_leftovers,
     missing_requirements,
+    mpi_hostfile,
+    mpirun_command,
     parse_sent_bytes,
     rate_bits,
+    rsh_agent_script,
     run_command,
     setup_commands,
     shape_commands,
@@ -157,6 +160,38 @@ def test_find_leftovers_only_ours():
                                        ["ip", "link", "del", "jbxh1"]]
 
 
+def test_mpi_hostfile_and_command():
+    layout = Layout(3, prefix="jbx", subnet="10.77.5")
+    assert mpi_hostfile(layout) == "10.77.5.1 slots=1\n10.77.5.2 slots=1\n10.77.5.3 slots=1\n"
+    cmd = mpirun_command(layout, "/t/hosts", "/t/nsrsh", ["python", "w.py"], env_names=["PYTHONPATH"])
+    # mpirun runs in namespace 0 under that namespace's name as host name, then starts 3 ranks
+    assert cmd[:4] == exec_prefix(layout, 0) and cmd[4:6] == ["unshare", "--uts"] and "hostname jbx0" in cmd[8]
+    i = cmd.index("mpirun")
+    assert cmd[i + 1:i + 5] == ["-np", "3", "--hostfile", "/t/hosts"] and cmd[-2:] == ["python", "w.py"]
+    mca = {cmd[k + 1]: cmd[k + 2] for k in range(len(cmd) - 2) if cmd[k] == "--mca"}
+    assert mca == {"plm_rsh_agent": "/t/nsrsh", "btl": "tcp,self", "btl_tcp_if_include": "10.77.5.0/24",
+                   "oob_tcp_if_include": "10.77.5.0/24"}
+    assert cmd[cmd.index("-x") + 1] == "PYTHONPATH"
+
+
+def test_rsh_agent_enters_the_hosts_namespace(tmp_path):
+    """The agent, run with a stand-in ``ip`` that prints its argv: the host's address (or namespace name) picks
+    its namespace, the command string reaches ``sh -c`` whole; an unknown host fails like an unreachable one."""
+    agent = tmp_path / "nsrsh"
+    agent.write_text(rsh_agent_script(Layout(2, prefix="jbx", subnet="10.77.5")))
+    agent.chmod(0o755)
+    (tmp_path / "ip").write_text('#!/bin/sh\nfor a in "$@"; do echo "[$a]"; done\n')
+    (tmp_path / "ip").chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}")
+    for host in ("10.77.5.2", "jbx1"):
+        out = subprocess.run([str(agent), host, "A=1;export A;prted", "--x", "y z"], env=env, capture_output=True,
+                             text=True, check=True).stdout
+        assert out.splitlines() == ["[netns]", "[exec]", "[jbx1]", "[unshare]", "[--uts]", "[sh]", "[-c]",
+                                    "[hostname jbx1 && A=1;export A;prted --x y z]"]
+    bad = subprocess.run([str(agent), "10.77.5.9", "true"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 255 and "no host of this cluster" in bad.stderr
+
+
 class Recorder:
     """Stands in for the command runner: records argv lists, fails on the ``fail_at``-th call."""
 
@@ -243,6 +278,77 @@ def test_host_link_bytes_rings_and_all_to_all():
     assert model.host_link_bytes([across, local], two_by_two) == pytest.approx(2 * 500)
     looped = Collective("all-to-all", 4000, 4, "main", trips=3)
     assert model.host_link_bytes([looped], two_by_two) == pytest.approx(3 * 4000)
+
+
+# A conditional whose branch 1 holds a nested one: the shape of 0/1 Adam's step (phase, then kind of step).
+NESTED_HLO = """%inner_a (p: f32[8]) -> f32[8] {
+  %ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1}}, to_apply=%add
+}
+
+%inner_b (p: f32[8]) -> f32[8] {
+  %a2a = u8[2,4]{1,0} all-to-all(%p), replica_groups={{0,1}}
+}
+
+%outer_0 (p: f32[8]) -> f32[8] {
+  %ag = u8[2,2]{1,0} all-gather(%p), replica_groups={{0,1}}
+}
+
+%outer_1 (p: f32[8]) -> f32[8] {
+  %rs = f32[4]{0} reduce-scatter(%p), replica_groups={{0,1}}, to_apply=%add
+  %c = f32[8]{0} conditional(%i, %p, %p), branch_computations={%inner_a, %inner_b}
+}
+
+ENTRY %main (p: f32[8]) -> f32[8] {
+  %loss = f32[]{} all-reduce(%p), replica_groups={{0,1}}, to_apply=%add
+  %c = f32[8]{0} conditional(%j, %p, %p), branch_computations={%outer_0, %outer_1}
+}
+"""
+
+
+def test_stage_collectives_of_nested_branches():
+    from jonebit.comm.accounting import comm_report
+
+    report = comm_report(NESTED_HLO, 2)
+    ops = lambda branch: sorted(c.op for c in model.stage_collectives(report, NESTED_HLO, branch))  # noqa: E731
+    assert ops(0) == ["all-gather", "all-reduce"]
+    # comm_report merges the nested conditional into branch 1; a stage takes one inner branch, plus what branch 1
+    # runs unconditionally (the reduce-scatter) and the step's unconditional loss all-reduce
+    assert ops(1) == ["all-reduce", "all-reduce", "all-to-all", "reduce-scatter"]
+    assert ops((1, 0)) == ["all-reduce", "all-reduce", "reduce-scatter"]
+    assert ops((1, 1)) == ["all-reduce", "all-to-all", "reduce-scatter"]
+    with pytest.raises(ValueError, match="no conditional inside branch 0"):
+        model.stage_collectives(report, NESTED_HLO, (0, 0))
+
+
+# Lines of a compiled 1-bit Adam step with mpi_comm (mpi4jax 0.9, trimmed): the calls return (array, token).
+MPI_HLO = """%comp (a: u8[2,139]) -> u8[2,139] {
+  %alltoall_mpi.3 = (u8[2,139]{1,0}, token[]) custom-call(%concatenate.5, %t), custom_call_target="mpi_alltoall_ffi", \
+operand_layout_constraints={u8[2,139]{1,0}, token[]}, custom_call_has_side_effect=true
+  %allgather_mpi.3 = (u8[2,139]{1,0}, token[]) custom-call(%f, %alltoall_mpi.5), custom_call_target="mpi_allgather_ffi"
+}
+
+%warm (a: f32[2,1073]) -> f32[2,1073] {
+  %alltoall_mpi.9 = (f32[2,1073]{1,0}, token[]) custom-call(%p, %t), custom_call_target="mpi_alltoall_ffi"
+  %allgather_mpi.9 = (f32[2,1073]{1,0}, token[]) custom-call(%a, %t), custom_call_target="mpi_allgather_ffi"
+}
+
+ENTRY %main.29 (Arg_0.31: token[]) -> f32[] {
+  %allreduce_mpi.3 = (s32[], token[]) custom-call(%n, %Arg_0.31), custom_call_target="mpi_allreduce_ffi"
+  %cond.14 = (token[], f32[33]{0}) conditional(%s, %c11, %c12), branch_computations={%comp, %warm}
+  %other = (f32[4]{0}, token[]) custom-call(%x), custom_call_target="something_else"
+}
+"""
+
+
+def test_mpi_calls_costed_as_collectives():
+    from jonebit.comm.accounting import comm_report
+
+    report = comm_report(model.mpi_as_collectives(MPI_HLO), 2)
+    assert [(c.op, c.result_bytes) for c in report.always] == [("all-reduce", 4)]
+    (comp, warm), = report.branches
+    assert [(c.op, c.result_bytes) for c in comp] == [("all-to-all", 278), ("all-gather", 278)]
+    # 2 ranks: the alltoall and the allgather each send half their result: the fp32 buffer once in all
+    assert sum(c.bytes_sent for c in warm) == 2 * 1073 * 4
 
 
 def test_predict_and_rounds():
@@ -476,6 +582,53 @@ def test_hierarchical_variant_sends_only_one_bit_between_hosts():
     assert got["hier"]["warmup"] == pytest.approx(got["flat"]["warmup"])
 
 
+def test_zero_one_adam_and_lamb_variants():
+    """0/1 Adam's four stages, each entered by setting its counters: their bytes come from the right nested
+    branches (variance: the fp32 all-reduce; 1-bit and sync: the 1-bit exchange; local: only the loss), and the
+    steps really take them: ranks' params part during local steps and are equal again after a sync. 1-bit LAMB's
+    stages are 1-bit Adam's."""
+    import jax
+    import numpy as np
+
+    from benchmarks.cluster import worker
+    from jonebit.comm import compressed_bytes_per_rank
+    from jonebit.comm.accounting import comm_report
+
+    p, n = 2, 64 * 33 + 33
+    params = {"w": np.ones((64, 33), np.float32) / 64, "b": np.zeros((33,), np.float32)}
+    batch = {"x": np.random.default_rng(0).normal(size=(2 * p, 64)).astype(np.float32)}  # differs per rank
+
+    def loss_fn(q, b):
+        return jax.numpy.mean((b["x"] @ q["w"] + q["b"] - 1.0) ** 2)
+
+    ring, loss = 2 * (p - 1) / p * 4, 2 * (p - 1) / p * 4
+    zo = worker.VARIANTS["zero_one_adam"]
+    runner = worker.Runner(loss_fn, zo, params, zo.mesh(jax.devices()[:p]), batch, freeze_step=2)
+    hlo = runner.compiled.as_text()
+    got = zo.stage_bytes(comm_report(hlo, p), hlo)
+    one_bit = compressed_bytes_per_rank(n, p) + loss
+    assert got == {"variance": pytest.approx(ring * n + loss), "onebit": pytest.approx(one_bit),
+                   "local": pytest.approx(loss), "sync": pytest.approx(one_bit)}
+    apart = {}
+    for stage in zo.stages:
+        runner.state = runner._enter[stage](runner.state)
+        runner.step(), runner.step()
+        w = np.asarray(runner.params["w"])
+        apart[stage] = float(np.abs(w[0] - w[1]).max())
+        if stage == "onebit":
+            assert int(runner.state.var_updates) == 2  # the variance moved in the variance stage only
+    assert apart["variance"] == apart["onebit"] == 0 < apart["local"]
+    assert apart["sync"] < 1e-2 * apart["local"]  # equal up to rounding (p - u + w / denom)
+    assert np.isfinite(np.asarray(runner.params["w"])).all()
+
+    lamb = worker.VARIANTS["onebit_lamb"]
+    runner = worker.Runner(loss_fn, lamb, params, lamb.mesh(jax.devices()[:p]), batch, freeze_step=2)
+    hlo = runner.compiled.as_text()
+    got = lamb.stage_bytes(comm_report(hlo, p), hlo)
+    assert got["warmup"] == pytest.approx(ring * n + loss)
+    assert got["compression"] == pytest.approx(one_bit)
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_worker_protocol_on_loopback(tmp_path):
@@ -493,7 +646,7 @@ def test_worker_protocol_on_loopback(tmp_path):
                               env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
     try:
-        for phase, go in ((0, "1gbit"), (1, "end")):
+        for phase, go in ((0, "1gbit"), (1, "1gbit"), (2, "end")):  # a barrier before each variant, one at the end
             deadline = time.monotonic() + 240
             while not all((tmp_path / f"phase{phase}.p{i}.waiting").exists() for i in range(2)):
                 assert all(p.poll() is None for p in procs), [p.communicate()[0][-2000:] for p in procs]
