@@ -57,6 +57,27 @@ def test_hf_export_matches_in_transformers(run_dir):
                                atol=1e-4)
 
 
+def test_zero_one_adam_config_pretrains_and_exports(tmp_path):
+    """A ZeroOneAdam DeepSpeed config through ``jonebit pretrain``, into its local steps (each rank moves its own
+    parameter copy): it trains, evaluates, and exports a checkpoint (rank 0's copy) that loads. eps is 1e-3: with
+    DeepSpeed's 1e-8 this run diverges (loss 6.7 -> 7.9), because embedding rows whose variance is still 0 at the
+    1-bit steps receive the sign-compressed average divided by eps (see the README's 0/1 Adam notes)."""
+    from jonebit.models.bert import BertForPreTraining, load_hf_checkpoint
+
+    cfg = {"train_batch_size": 32, "gradient_clipping": 1.0, "optimizer": {"type": "ZeroOneAdam", "params": {
+        "lr": 1e-3, "eps": 1e-3, "var_freeze_step": 6, "var_update_scaler": 4, "local_step_scaler": 1,
+        "local_step_clipper": 4}}}
+    (tmp_path / "zo.json").write_text(json.dumps(cfg))
+    out = tmp_path / "run"
+    assert main(["pretrain", "--config", str(tmp_path / "zo.json"), "--output", str(out), "--max-steps", "10",
+                 "--seq-len", "32", "--vocab-size", "400", "--dupe-factor", "1", "--heldout-documents", "4"]) == 0
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 11)) and records[-1]["loss"] < records[0]["loss"]
+    assert np.isfinite(records[-1]["eval/mlm_loss"]) and records[-1]["eval/mlm_loss"] < np.log(400)
+    exported = load_hf_checkpoint(out / "hf", model_cls=BertForPreTraining)
+    assert np.isfinite(np.asarray(exported.bert.encoder.layer[0].attention.self.query.kernel.value)).all()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--config", "missing.json", "--max-steps", "2"], r"no DeepSpeed config at missing.json"),
     (["--config", "{cfg}"], r"--max-steps is required with --config"),

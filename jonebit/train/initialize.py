@@ -10,11 +10,14 @@ optimizer state in host memory; 1-bit Adam is built for the stage and keeps its 
 ``steps_per_print``. What the engine does per step is described in :mod:`jonebit.train.engine`;
 the loop (checkpoints, metrics, resume) in :mod:`jonebit.train.loop`.
 
-With ``optimizer.params.comm_backend_name: "mpi"`` (OneBitAdam / OneBitLamb, ZeRO stage 0) the script runs under
-``mpirun``, one process per device: each process is one data-parallel rank with a one-device mesh, the
+With ``optimizer.params.comm_backend_name: "mpi"`` (OneBitAdam / OneBitLamb / ZeroOneAdam, ZeRO stage 0) the
+script runs under ``mpirun``, one process per device: each process is one data-parallel rank with a one-device mesh, the
 optimizer communicates over a duplicate of ``MPI.COMM_WORLD`` (mpi4jax), the batch arithmetic counts the MPI world
 size, each process feeds its own slice of every global batch (``ArrayBatches(..., shard=(engine.process_index,
 engine.process_count))``), and the loop checkpoints per rank (see :mod:`jonebit.train.loop`).
+
+With ``ZeroOneAdam`` the state keeps one parameter copy per rank (:class:`~jonebit.train.engine.RankParams`),
+since its local steps move each rank's own; :attr:`Engine.params` gives rank 0's copy.
 
 Gradient clipping (``gradient_clipping``) is applied where DeepSpeed applies it: with standard optimizers to the
 gradient averaged over ranks; with 1-bit Adam (ZeRO stage 0) to the averaged gradient during warmup and to each

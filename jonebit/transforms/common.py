@@ -64,20 +64,71 @@ def check_float_leaves(tree, what: str, who: str) -> None:
             )
 
 
-def check_mask(mask, params, who: str) -> None:
-    """``exp_avg_mask`` must mirror the params: same tree, same leaf shapes."""
-    m_struct, p_struct = jax.tree.structure(mask), jax.tree.structure(params)
-    if m_struct != p_struct:
-        raise ValueError(
-            f"{who}: exp_avg_mask must have the same tree structure as the params.\n"
-            f"  mask:   {m_struct}\n  params: {p_struct}"
-        )
-    for (path, p), m in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(mask), strict=True):
-        if tuple(np.shape(m)) != tuple(p.shape):
-            raise ValueError(
-                f"{who}: exp_avg_mask leaf {jax.tree_util.keystr(path)} has shape {tuple(np.shape(m))}, the param "
-                f"has {tuple(p.shape)}"
+class Ones:
+    """An all-ones mask leaf, kept only as its shape (the step needs no multiply for it)."""
+
+    def __init__(self, shape):
+        self.shape = shape
+
+
+def normalise_mask(mask, who: str):
+    """Validates exp_avg_mask's values once: leaves become float32 numpy arrays of 0/1, or :class:`Ones`."""
+    if mask is None:
+        return None
+
+    def leaf(path, m):
+        try:
+            k = np.asarray(m)
+        except Exception as e:  # noqa: BLE001 - anything that is not array-like
+            raise TypeError(
+                f"{who}: exp_avg_mask leaf {jax.tree_util.keystr(path)} must be an array of 0/1 values or "
+                f"None, got {type(m).__name__}"
+            ) from e
+        if not (k.dtype == np.bool_ or np.issubdtype(k.dtype, np.number)):
+            raise TypeError(
+                f"{who}: exp_avg_mask leaf {jax.tree_util.keystr(path)} must hold 0/1 values, got dtype {k.dtype}"
             )
+        k = k.astype(np.float32)
+        bad = k[(k != 0) & (k != 1)]
+        if bad.size:
+            raise ValueError(
+                f"{who}: exp_avg_mask leaf {jax.tree_util.keystr(path)} must hold only 0 and 1 (it multiplies "
+                f"the momentum), got {bad.flat[0]} among its values; use bool or 0/1 arrays"
+            )
+        return Ones(k.shape) if np.all(k == 1) else k
+
+    return jax.tree_util.tree_map_with_path(leaf, mask)
+
+
+def mask_leaves(mask, params, who: str) -> list | None:
+    """One entry per param leaf: None (all ones) or the mask array, whose rank is the param's and whose dimensions
+    are the param's or 1. Raises naming the leaf when the mask does not fit the params."""
+    if mask is None:
+        return None
+    p_def = jax.tree.structure(params)
+    try:
+        leaves = p_def.flatten_up_to(mask)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"{who}: exp_avg_mask must have the same tree structure as the params (a leaf may be None "
+            f"for 'no mask').\n  mask:   {jax.tree.structure(mask)}\n  params: {p_def}"
+        ) from e
+    out = []
+    for (path, p), m in zip(jax.tree_util.tree_leaves_with_path(params), leaves, strict=True):
+        if m is not None and jax.tree.leaves(m) != [m]:
+            raise ValueError(
+                f"{who}: exp_avg_mask must have the same tree structure as the params; at leaf "
+                f"{jax.tree_util.keystr(path)} it holds a {type(m).__name__} subtree"
+            )
+        shape, want = tuple(getattr(m, "shape", ())), tuple(p.shape)
+        fits = len(shape) == len(want) and all(s in (1, w) for s, w in zip(shape, want, strict=True))
+        if m is not None and not fits:
+            raise ValueError(
+                f"{who}: exp_avg_mask leaf {jax.tree_util.keystr(path)} has shape {shape}, the param has "
+                f"{want}; give the param's shape, or its rank with 1 where the mask broadcasts (e.g. rows: (n, 1))"
+            )
+        out.append(None if isinstance(m, Ones) else m)
+    return None if all(m is None for m in out) else out
 
 
 def check_local_grads(grads, backend: Backend, who: str) -> None:
@@ -194,9 +245,12 @@ def compressed_mean(backend: Backend, tree, worker_error, server_error, *, fused
 
 
 def apply_mask(tree, mask):
+    """``tree`` times the mask leaf by leaf; ``mask`` is :func:`mask_leaves`'s list (None: no mask)."""
     if mask is None:
         return tree
-    return jax.tree.map(lambda m, k: m * jnp.asarray(k, jnp.float32), tree, mask)
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef.unflatten([x if m is None else x * jnp.asarray(m, jnp.float32)
+                              for x, m in zip(leaves, mask, strict=True)])
 
 
 def learning_rate_at(learning_rate: ScalarOrSchedule, count) -> Any:

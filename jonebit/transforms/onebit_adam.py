@@ -71,7 +71,7 @@ from jonebit.comm.hierarchical import (
     hierarchical_allreduce_rows_many,
 )
 from jonebit.sharding.zero import _per_rank_rule, register_per_rank_state
-from jonebit.transforms.common import AutoFreeze, auto_freeze_step
+from jonebit.transforms.common import AutoFreeze, auto_freeze_step, mask_leaves, normalise_mask
 from jonebit.transforms.onebit_zero import (
     ZERO_STAGES,
     FlatLayout,
@@ -192,73 +192,6 @@ def _check_matching_grads(grads, other, what: str) -> None:
     problem = _first_mismatch(grads, other)
     if problem is not None:
         raise ValueError(f"onebit_adam: the gradients do not match the {what}: {problem}")
-
-
-class _Ones:
-    """An all-ones mask leaf, kept only as its shape (the step needs no multiply for it)."""
-
-    def __init__(self, shape):
-        self.shape = shape
-
-
-def _normalise_mask(mask):
-    """Validates exp_avg_mask's values once: leaves become float32 numpy arrays of 0/1, or :class:`_Ones`."""
-    if mask is None:
-        return None
-
-    def leaf(path, m):
-        try:
-            k = np.asarray(m)
-        except Exception as e:  # noqa: BLE001 - anything that is not array-like
-            raise TypeError(
-                f"onebit_adam: exp_avg_mask leaf {jax.tree_util.keystr(path)} must be an array of 0/1 values or "
-                f"None, got {type(m).__name__}"
-            ) from e
-        if not (k.dtype == np.bool_ or np.issubdtype(k.dtype, np.number)):
-            raise TypeError(
-                f"onebit_adam: exp_avg_mask leaf {jax.tree_util.keystr(path)} must hold 0/1 values, got dtype {k.dtype}"
-            )
-        k = k.astype(np.float32)
-        bad = k[(k != 0) & (k != 1)]
-        if bad.size:
-            raise ValueError(
-                f"onebit_adam: exp_avg_mask leaf {jax.tree_util.keystr(path)} must hold only 0 and 1 (it multiplies "
-                f"the momentum), got {bad.flat[0]} among its values; use bool or 0/1 arrays"
-            )
-        return _Ones(k.shape) if np.all(k == 1) else k
-
-    return jax.tree_util.tree_map_with_path(leaf, mask)
-
-
-def _mask_leaves(mask, params) -> list | None:
-    """One entry per param leaf: None (all ones) or the mask array, whose rank is the param's and whose dimensions
-    are the param's or 1. Raises naming the leaf when the mask does not fit the params."""
-    if mask is None:
-        return None
-    p_def = jax.tree.structure(params)
-    try:
-        leaves = p_def.flatten_up_to(mask)
-    except (ValueError, TypeError) as e:
-        raise ValueError(
-            f"onebit_adam: exp_avg_mask must have the same tree structure as the params (a leaf may be None "
-            f"for 'no mask').\n  mask:   {jax.tree.structure(mask)}\n  params: {p_def}"
-        ) from e
-    out = []
-    for (path, p), m in zip(jax.tree_util.tree_leaves_with_path(params), leaves, strict=True):
-        if m is not None and jax.tree.leaves(m) != [m]:
-            raise ValueError(
-                f"onebit_adam: exp_avg_mask must have the same tree structure as the params; at leaf "
-                f"{jax.tree_util.keystr(path)} it holds a {type(m).__name__} subtree"
-            )
-        shape, want = tuple(getattr(m, "shape", ())), tuple(p.shape)
-        fits = len(shape) == len(want) and all(s in (1, w) for s, w in zip(shape, want, strict=True))
-        if m is not None and not fits:
-            raise ValueError(
-                f"onebit_adam: exp_avg_mask leaf {jax.tree_util.keystr(path)} has shape {shape}, the param has "
-                f"{want}; give the param's shape, or its rank with 1 where the mask broadcasts (e.g. rows: (n, 1))"
-            )
-        out.append(None if isinstance(m, _Ones) else m)
-    return None if all(m is None for m in out) else out
 
 
 def _flatten(tree) -> jax.Array:
@@ -538,7 +471,7 @@ def onebit_adam(
             f"onebit_adam: axis_name must be a mesh axis name (str), got {axis_name!r}; or a pair (hosts_axis, "
             "local_axis) for hierarchical compression"
         )
-    exp_avg_mask = _normalise_mask(exp_avg_mask)
+    exp_avg_mask = normalise_mask(exp_avg_mask, "onebit_adam")
     decays = not (_is_number(weight_decay) and weight_decay == 0)
     if mpi_comm is not None:
         axis_name = None
@@ -569,7 +502,7 @@ def onebit_adam(
     def _check_params(params):
         _check_float_leaves(params, "param")
         _check_nonempty_leaves(params)
-        _mask_leaves(exp_avg_mask, params)
+        mask_leaves(exp_avg_mask, params, "onebit_adam")
 
     def zero_backend():
         backend = get_backend(axis_name, mpi_comm)
@@ -604,7 +537,7 @@ def onebit_adam(
                 f"onebit_adam: the gradients do not match the params the optimizer state was made for: their "
                 f"flat buffers have chunks {want}, the state {have} (same tree, shapes and fused={fused} as in init)"
             )
-        mask = _mask_leaves(exp_avg_mask, grads)
+        mask = mask_leaves(exp_avg_mask, grads, "onebit_adam")
 
         bad, on_skip = _nonfinite_flag(backend, grads, state.mu, nonfinite)
         return zero_update(
@@ -696,7 +629,7 @@ def onebit_adam(
             _check_matching_grads(grads, params, "params")
         backend = make_backend()
         _check_local_grads(grads, backend)
-        mask = _mask_leaves(exp_avg_mask, grads)
+        mask = mask_leaves(exp_avg_mask, grads, "onebit_adam")
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         worker_error, server_error = state.worker_error, state.server_error
         for axis in _mesh_axes(backend):

@@ -142,7 +142,8 @@ def onebit_lamb(
       factor_max: upper clamp of the compression-stage factor.
       factor_min: lower clamp of the compression-stage factor.
       factor_threshold: the factor moves by at most this fraction of its previous value per step.
-      exp_avg_mask: optional pytree of 0/1 arrays like the params, multiplied into the averaged momentum.
+      exp_avg_mask: optional mask multiplied into the averaged momentum, in :func:`jonebit.onebit_adam`'s format
+        (a leaf is None, or 0/1 values with the param's shape or 1 where it broadcasts, e.g. ``(rows, 1)``).
       axis_name: the ``jax.shard_map`` mesh axis of the data-parallel ranks.
       mpi_comm: an mpi4py communicator (or :class:`~jonebit.comm.MPIBackend`); the collectives then go through MPI.
       auto_freeze: the rule for ``freeze_step="auto"`` (default ``AutoFreeze()``); decided inside the compiled step,
@@ -176,6 +177,7 @@ def onebit_lamb(
     _check_bounds("factor_min", factor_min, "factor_max", factor_max, floor=0.0)
     if common.is_number(factor_threshold) and not 0.0 <= factor_threshold < 1.0:
         raise ValueError(f"{_WHO}: factor_threshold must be in [0, 1), got {factor_threshold}")
+    exp_avg_mask = common.normalise_mask(exp_avg_mask, _WHO)  # values checked once
     decays = not (common.is_number(weight_decay) and weight_decay == 0)
     if mpi_comm is not None:
         axis_name = None
@@ -185,8 +187,7 @@ def onebit_lamb(
         n = common.num_elements(params)
         if n == 0:
             raise ValueError(f"{_WHO}: the params have no elements")
-        if exp_avg_mask is not None:
-            common.check_mask(exp_avg_mask, params, _WHO)
+        common.mask_leaves(exp_avg_mask, params, _WHO)  # checked against the params once, at init
         backend = get_backend(axis_name, mpi_comm)
         zeros = lambda: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)  # noqa: E731
         scalars = lambda v: jax.tree.map(lambda _: jnp.full([], v, jnp.float32), params)  # noqa: E731
@@ -203,6 +204,7 @@ def onebit_lamb(
         if params is None:
             raise ValueError(f"{_WHO}: LAMB's trust ratio needs params; call update(grads, state, params)")
         common.check_float_leaves(grads, "gradient", _WHO)
+        mask = common.mask_leaves(exp_avg_mask, grads, _WHO)
         backend = get_backend(axis_name, mpi_comm)
         common.check_local_grads(grads, backend, _WHO)
         common.check_replicated_params(params, backend, _WHO)
@@ -256,7 +258,7 @@ def onebit_lamb(
                 we1, se1 = common.per_rank(we1, backend), common.per_rank(se1, backend)
             else:  # nothing to average (the mean only types the result as replicated)
                 m_avg = backend.mean(m_local)
-            m = common.apply_mask(jax.tree.map(jnp.divide, m_avg, scaling), exp_avg_mask)
+            m = common.apply_mask(jax.tree.map(jnp.divide, m_avg, scaling), mask)
             v_fresh = jax.tree.map(
                 lambda f, m, mp: b2 * f + (1.0 - b2) * jnp.square((m - b1 * mp) / (1.0 - b1)),
                 state.nu_fresh, m, m_prev)

@@ -130,7 +130,8 @@ def zero_one_adam(
       local_step_scaler: local-phase steps before the synchronisation interval doubles (DeepSpeed's default
         32678 is kept as is).
       local_step_clipper: the largest synchronisation interval.
-      exp_avg_mask: optional pytree of 0/1 arrays like the params, multiplied into every compressed average.
+      exp_avg_mask: optional mask multiplied into every compressed average, in :func:`jonebit.onebit_adam`'s
+        format (a leaf is None, or 0/1 values with the param's shape or 1 where it broadcasts, e.g. ``(rows, 1)``).
       fused: ``True`` compresses all leaves as one buffer (DeepSpeed's fp16 path); ``False`` each leaf on its own
         (its fp32 path).
       axis_name: the ``jax.shard_map`` mesh axis of the data-parallel ranks.
@@ -162,6 +163,7 @@ def zero_one_adam(
     scaler = common.check_int("local_step_scaler", local_step_scaler, minimum=1, who=_WHO)
     clipper = common.check_int("local_step_clipper", local_step_clipper, minimum=1, who=_WHO)
     common.check_betas_eps(_WHO, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    exp_avg_mask = common.normalise_mask(exp_avg_mask, _WHO)  # values checked once
     decays = not (common.is_number(weight_decay) and weight_decay == 0)
     if mpi_comm is not None:
         axis_name = None
@@ -170,8 +172,7 @@ def zero_one_adam(
         common.check_float_leaves(params, "param", _WHO)
         if common.num_elements(params) == 0:
             raise ValueError(f"{_WHO}: the params have no elements")
-        if exp_avg_mask is not None:
-            common.check_mask(exp_avg_mask, params, _WHO)
+        common.mask_leaves(exp_avg_mask, params, _WHO)  # checked against the params once, at init
         backend = get_backend(axis_name, mpi_comm)
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         rows = jax.tree.map(lambda p: jnp.zeros((1, *p.shape), jnp.float32), params)
@@ -188,6 +189,7 @@ def zero_one_adam(
         if decays and params is None:
             raise ValueError(f"{_WHO}: weight_decay needs params; call update(grads, state, params)")
         common.check_float_leaves(grads, "gradient", _WHO)
+        mask = common.mask_leaves(exp_avg_mask, grads, _WHO)
         backend = get_backend(axis_name, mpi_comm)
         common.check_local_grads(grads, backend, _WHO)
         common.check_per_rank_params(params, backend, _WHO)
@@ -227,7 +229,7 @@ def zero_one_adam(
 
             def onebit_step(_):
                 g, we1, se1 = compress(grads, we, se)
-                g = common.apply_mask(g, exp_avg_mask)
+                g = common.apply_mask(g, mask)
                 m = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, mu, g)
                 return local(m), nu, we1, se1
 
@@ -254,7 +256,7 @@ def zero_one_adam(
             def sync(_):
                 denom = jax.tree.map(lambda v: denominator(v, state.var_updates), nu)
                 w, we1, se1 = compress(jax.tree.map(jnp.multiply, acc, denom), we, se)
-                w = common.apply_mask(w, exp_avg_mask)
+                w = common.apply_mask(w, mask)
                 m_synced = jax.tree.map(lambda w: -w / lrs, w)
                 # p - lr d - u + w / denom: undo the local moves, apply the averaged one.
                 updates = jax.tree.map(lambda mv, a, w, dn: mv - a + w / dn, moves, acc, w, denom)

@@ -22,9 +22,26 @@ def config(world: int, backend: str = "mpi", opt: str = "OneBitAdam") -> dict:
         "gradient_accumulation_steps": ACCUM,
         "steps_per_print": 100,
         "optimizer": {"type": opt, "params": {
-            "lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "freeze_step": FREEZE,
-            "cuda_aware": False, "comm_backend_name": backend}},
+            "lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "cuda_aware": False,
+            "comm_backend_name": backend, **schedule(opt)}},
     }
+
+
+def schedule(opt: str) -> dict:
+    """The freeze point; 0/1 Adam: its variance freeze, then local steps whose sync interval doubles at once
+    (updates 3-6: sync, sync, local, ...), so each rank's copy parts from the others within the run."""
+    if opt == "ZeroOneAdam":
+        return {"var_freeze_step": FREEZE - 1, "local_step_scaler": 1}
+    return {"freeze_step": FREEZE}
+
+
+def rank_params(params, rank: int) -> dict:
+    """This rank's parameters: its own copy with 0/1 Adam (``RankParams``), else the replicated tree."""
+    from jonebit.train.engine import RankParams
+
+    if isinstance(params, RankParams):
+        return {k: np.asarray(jax.device_get(v))[rank] for k, v in params.copies.items()}
+    return {k: np.asarray(jax.device_get(v)) for k, v in params.items()}
 
 
 def params0():

@@ -38,8 +38,8 @@ def main(mode: str, outdir: str, arg: str = "", signal_at: str = "0") -> None:
             m = jax.device_get(m)
             for k in ("loss", "grad_norm", "skipped"):
                 out[f"{k}/{t}"] = np.asarray(m[k])
-            for k, v in state.params.items():
-                out[f"params/{t}/{k}"] = np.asarray(v)
+            for k, v in C.rank_params(state.params, 0).items():  # this process's copy (its only row)
+                out[f"params/{t}/{k}"] = v
         out["skipped_total"] = np.asarray(state.skipped)
     else:
         batches = ArrayBatches(C.data(), engine.batch.train_batch_size, seed=11, shard=(rank, world))

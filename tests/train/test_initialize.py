@@ -106,6 +106,15 @@ def test_zero_one_adam_config_trains_in_the_engine_like_deepspeed():
         np.testing.assert_array_equal(first[k], got[k][0])
 
 
+def test_zero_one_adam_state_beyond_stage_0_is_refused():
+    """Built by hand (not from a config): per-rank parameters cannot be partitioned, so ZeRO stages 1-3 are refused."""
+    from jonebit import zero_one_adam
+    from jonebit.train.engine import init_train_state
+
+    with pytest.raises(ValueError, match=r"0/1 Adam runs at ZeRO stage 0 only.*zero_stage=1"):
+        init_train_state(zero_one_adam(1e-3, var_freeze_step=4), _params(), data_mesh(), zero_stage=1)
+
+
 def test_zero_one_adam_engine_resumes_exactly_in_the_local_phase(tmp_path):
     """A run stopped in 0/1 Adam's local phase (copies apart, u accumulating) and resumed from its checkpoint ends
     bit-identical to an uninterrupted one: every rank's copy, momentum, u, errors and schedule counters."""
