@@ -8,6 +8,8 @@ import optax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from jonebit import sharded_init
+
 
 def mesh_of(p):
     return jax.make_mesh((p,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:p])
@@ -60,3 +62,28 @@ def put_rows(tree, mesh):
 
 def put_replicated(tree, mesh):
     return jax.device_put(tree, jax.NamedSharding(mesh, P()))
+
+
+def check_compact_mask(make_tx, grad_scale=lambda t: 1.0, steps=20, per_rank=False):
+    """``make_tx(exp_avg_mask)`` with a mask on rows 3+ of "w" in onebit_adam's compact form (None leaves, a
+    ``(rows, 1)`` column) ends bit-identical to the full 0/1 mask, and unlike no mask at all (2 ranks)."""
+    full = {"b": np.ones(13, np.float32), "w": np.ones((5, 7), np.float32), "z": np.ones((4, 6), np.float32)}
+    full["w"][3:] = 0.0
+    compact = {"b": None, "w": full["w"][:, :1].copy(), "z": None}
+    rng = np.random.default_rng(0)
+    params0, mesh = make_params(rng), mesh_of(2)
+    grads = [stack(random_grads(rng, params0, 2, scale=grad_scale(t))) for t in range(steps)]
+    ends = []
+    for mask in (full, compact, None):
+        tx = make_tx(mask)
+        state, specs = sharded_init(tx, params0, mesh)
+        if per_rank:
+            step, params = per_rank_stepper(tx, mesh, specs), put_rows(stack([params0] * 2), mesh)
+        else:
+            step, params = replicated_stepper(tx, mesh, specs), put_replicated(params0, mesh)
+        for g in grads:
+            params, state = step(params, state, put_rows(g, mesh))
+        ends.append((jax.device_get(params), jax.device_get(state.mu)))
+    assert not np.allclose(ends[2][0]["w"], ends[0][0]["w"])  # the mask matters in this run
+    for a, b in zip(jax.tree.leaves(ends[0]), jax.tree.leaves(ends[1]), strict=True):
+        np.testing.assert_array_equal(a, b)
