@@ -75,6 +75,7 @@ def test_zero_one_adam_config_pretrains_and_exports(tmp_path):
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 11)) and records[-1]["loss"] < records[0]["loss"]
     assert np.isfinite(records[-1]["eval/mlm_loss"]) and records[-1]["eval/mlm_loss"] < np.log(400)
+    assert all(np.isnan(r["bytes_sent"]) for r in records)  # not attributed to steps: NaN, not the scalars' bytes
     exported = load_hf_checkpoint(out / "hf", model_cls=BertForPreTraining)
     assert np.isfinite(np.asarray(exported.bert.encoder.layer[0].attention.self.query.kernel.value)).all()
 

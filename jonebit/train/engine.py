@@ -678,6 +678,9 @@ def make_train_step(
     step.jitted = jitted
     step.compiled = compiled
     step.mpi = mpi  # the loop reads the MPI rank and world size from it
+    # The loop's bytes_sent reads the compiled programs; 0/1 Adam's traffic sits in nested phases it cannot
+    # attribute to a step (variance, 1-bit, local, sync), so it reports NaN rather than the engine's scalars alone.
+    step.counts_bytes = mpi is None and not per_rank
     # With grad_reduce="mean" the optimizer is a local computation; its only traffic is the engine's own (the
     # ZeRO path's parameter all-gathers included: its update is not inside a conditional).
     # 0/1 Adam's phases are nested conditionals the per-stage report does not model: its bytes per phase are

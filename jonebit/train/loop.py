@@ -24,7 +24,9 @@
 ``bytes_sent`` is this rank's collective traffic for the step, read once from the compiled programs
 (:mod:`jonebit.comm.accounting`): the engine's own collectives plus the optimizer's collectives of the stage the
 step ran in (1-bit optimizers: ``"warmup"`` or ``"compression"``, from the optimizer's update count and
-``freeze_step``; other optimizers: ``"full"``; skipped steps: ``"skipped"``).
+``freeze_step``; other optimizers: ``"full"``; skipped steps: ``"skipped"``). It is NaN under MPI and with
+0/1 Adam, whose variance, 1-bit, local and sync steps the loop does not tell apart (``benchmarks/family_bytes.py``
+has their bytes).
 """
 
 from __future__ import annotations
@@ -388,8 +390,8 @@ def train(
         t_last, examples, logged = time.perf_counter(), 0, start
         for i in range(start, config.max_steps):
             batch = next(batches)
-            if stage_bytes is None:  # MPI traffic (mpi4jax) is not in the compiled program: not counted
-                stage_bytes = {} if mpi is not None else _stage_bytes(
+            if stage_bytes is None:  # MPI traffic (mpi4jax), 0/1 Adam's phases: not counted (NaN)
+                stage_bytes = {} if mpi is not None or not getattr(step, "counts_bytes", True) else _stage_bytes(
                     step, state, jax.device_put(batch, _batch_sharding(state)))
             examples += len(next(iter(jax.tree.leaves(batch))))
             state, metrics = step(state, batch)
