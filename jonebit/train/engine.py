@@ -287,7 +287,8 @@ def init_train_state(
     replicated = jax.NamedSharding(mesh, P())
     master = jax.jit(lambda t: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), t), out_shardings=replicated)(
         params)
-    onebit = find_onebit_state(local_abstract_state(tx, master, mesh))
+    abstract = local_abstract_state(tx, master, mesh)
+    onebit, per_rank = find_onebit_state(abstract), moves_params_per_rank(abstract)
     if onebit is not None and onebit_stage(onebit) != stage:
         raise ValueError(
             f"init_train_state: zero_stage={stage} but the 1-bit optimizer was built for ZeRO stage "
@@ -297,13 +298,13 @@ def init_train_state(
     if stage == 0:
         opt_state, opt_specs = sharded_init(tx, master, mesh, axis)
         param_specs = P()
-        if moves_params_per_rank(opt_state):  # 0/1 Adam: every rank starts from the same copy
+        if per_rank:  # 0/1 Adam: every rank starts from the same copy
             ranks = int(mesh.shape[axis])
             master = RankParams(jax.jit(
                 lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x[None], (ranks, *x.shape)), t),
                 out_shardings=jax.NamedSharding(mesh, P(axis)))(master))
             param_specs = RankParams(P(axis))
-    elif moves_params_per_rank(local_abstract_state(tx, master, mesh)):
+    elif per_rank:
         raise ValueError(f"init_train_state: 0/1 Adam runs at ZeRO stage 0 only (its local steps move every rank's "
                          f"whole parameters); got zero_stage={stage}")
     else:
@@ -678,14 +679,13 @@ def make_train_step(
     step.jitted = jitted
     step.compiled = compiled
     step.mpi = mpi  # the loop reads the MPI rank and world size from it
-    # The loop's bytes_sent reads the compiled programs; 0/1 Adam's traffic sits in nested phases it cannot
-    # attribute to a step (variance, 1-bit, local, sync), so it reports NaN rather than the engine's scalars alone.
+    # The loop's bytes_sent reads the compiled programs. Not counted (NaN): mpi4jax's traffic, which is not in
+    # them, and 0/1 Adam's, whose nested phases (variance, 1-bit, local, sync) the per-stage report does not
+    # model (benchmarks/family_bytes.py has their bytes).
     step.counts_bytes = mpi is None and not per_rank
     # With grad_reduce="mean" the optimizer is a local computation; its only traffic is the engine's own (the
     # ZeRO path's parameter all-gathers included: its update is not inside a conditional).
-    # 0/1 Adam's phases are nested conditionals the per-stage report does not model: its bytes per phase are
-    # in benchmarks/family_bytes.py.
-    step.tx_report = None if grad_reduce is not None or mpi is not None or per_rank else (
+    step.tx_report = None if grad_reduce is not None or mpi is not None else (
         tx_report if stage == 0 else onebit_zero_report)
     return step
 

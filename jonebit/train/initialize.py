@@ -54,7 +54,6 @@ from jonebit.transforms.onebit_adam import is_onebit_state
 __all__ = ["Engine", "initialize", "loss_scaling_from_config"]
 
 
-
 def _is_local_gradient_state(node) -> bool:
     """A state whose transform takes each rank's local gradient and communicates itself (the 1-bit family)."""
     return is_onebit_state(node) or _per_rank_rule(node) is not None

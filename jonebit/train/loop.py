@@ -390,8 +390,8 @@ def train(
         t_last, examples, logged = time.perf_counter(), 0, start
         for i in range(start, config.max_steps):
             batch = next(batches)
-            if stage_bytes is None:  # MPI traffic (mpi4jax), 0/1 Adam's phases: not counted (NaN)
-                stage_bytes = {} if mpi is not None or not getattr(step, "counts_bytes", True) else _stage_bytes(
+            if stage_bytes is None:  # the step says when its traffic cannot be read (MPI, 0/1 Adam): NaN
+                stage_bytes = {} if not getattr(step, "counts_bytes", True) else _stage_bytes(
                     step, state, jax.device_put(batch, _batch_sharding(state)))
             examples += len(next(iter(jax.tree.leaves(batch))))
             state, metrics = step(state, batch)
