@@ -2,9 +2,10 @@
 
 Trains the setup of ``defaults_convergence.py`` (same data, seed, schedule, clipping) with 1-bit Adam kept in warmup
 (what ``freeze_step="auto"`` computes until its rule fires) and records every tensor's ``||v||`` after every update.
-For each check interval it reports the relative change between checks of three statistics: the largest over the
-tensors (``AutoFreeze``'s rule), the median over the tensors, and the global ``||v||`` of the whole model, and the
-update at which a rule on each would fire for the given ``--threshold``/``--patience``/``--min-step``.
+For each check interval it reports the relative change between checks of the three statistics of ``AutoFreeze``
+(the median and the largest over the tensors, and the whole model's norm), on the bias-corrected ``||v / (1 - b2^t)||``
+that the rule reads and, for comparison, on the raw ``||v||``, and the update at which a rule on each would fire for
+the given ``--thresholds``/``--patience``/``--min-step``. The JSON keeps the raw norms at every check.
 
     python benchmarks/auto_freeze_trace.py --steps 300 --check-every 10     # results/auto_freeze_trace.json
 """
@@ -84,25 +85,41 @@ def main(argv=None) -> int:
         trace.append(np.asarray(norms_of(find(engine.state.opt_state).nu), np.float64))
         if (t + 1) % 50 == 0:
             print(f"update {t + 1}", flush=True)
-    trace = np.stack(trace)  # (steps, tensors)
+    trace = np.stack(trace)  # (steps, tensors): the raw ||v|| after every update
     ce = args.check_every
-    checks = trace[ce - 1::ce]  # after updates ce, 2 ce, ...
-    rel = np.abs(np.diff(checks, axis=0)) / np.where(checks[:-1] > 0, checks[:-1], 1.0)
-    glob = np.sqrt(np.sum(checks ** 2, axis=1))
-    stats = {"max": rel.max(axis=1), "median": np.median(rel, axis=1),
-             "global": np.abs(np.diff(glob)) / glob[:-1]}
-    fires = {name: {str(th): fire_point(s, ce, th, args.patience, args.min_step, args.steps)
-                    for th in args.thresholds} for name, s in stats.items()}
+    b2 = float(cfg["optimizer"]["params"].get("betas", [0.9, 0.999])[1])
+    done = np.arange(ce, args.steps + 1, ce)
+    raw = trace[ce - 1::ce]  # after updates ce, 2 ce, ...
+    corrected = raw / (1.0 - b2 ** done)[:, None]  # what AutoFreeze reads
+
+    def statistics(checks):
+        rel = np.abs(np.diff(checks, axis=0)) / np.where(checks[:-1] > 0, checks[:-1], 1.0)
+        glob = np.sqrt(np.sum(checks ** 2, axis=1))
+        return rel, {"max": rel.max(axis=1), "median": np.median(rel, axis=1),
+                     "global": np.abs(np.diff(glob)) / glob[:-1]}
+
+    rel, stats = statistics(corrected)
+    _, stats_raw = statistics(raw)
+
+    def fires_of(st):
+        return {name: {str(th): fire_point(s, ce, th, args.patience, args.min_step, args.steps)
+                       for th in args.thresholds} for name, s in st.items()}
+
+    fires, fires_raw = fires_of(stats), fires_of(stats_raw)
     worst = [names[i] for i in np.argsort(-rel[len(rel) // 2:].mean(axis=0))[:5]]
-    print("check  max     median  global")
+    print("bias-corrected ||v|| (AutoFreeze) | raw ||v||")
+    print("check  max     median  global | max     median  global")
     for j in range(len(rel)):
-        print(f"{(j + 2) * ce:5d}  {stats['max'][j]:.3f}   {stats['median'][j]:.3f}   {stats['global'][j]:.3f}")
-    print("fires at (update):", json.dumps(fires))
+        print(f"{(j + 2) * ce:5d}  " + "   ".join(f"{stats[k][j]:.3f}" for k in ("max", "median", "global"))
+              + " | " + "   ".join(f"{stats_raw[k][j]:.3f}" for k in ("max", "median", "global")))
+    print("fires at (update), corrected:", json.dumps(fires))
+    print("fires at (update), raw:", json.dumps(fires_raw))
     print("tensors moving most in the second half:", worst)
     write_json("auto_freeze_trace", {
-        "steps": args.steps, "check_every": ce, "patience": args.patience, "min_step": args.min_step,
+        "steps": args.steps, "check_every": ce, "patience": args.patience, "min_step": args.min_step, "b2": b2,
         "changes": {k: [float(x) for x in v] for k, v in stats.items()}, "fires_at": fires,
-        "moving_most": worst, "tensors": names})
+        "changes_raw": {k: [float(x) for x in v] for k, v in stats_raw.items()}, "fires_at_raw": fires_raw,
+        "moving_most": worst, "tensors": names, "raw_norms_at_checks": raw.tolist()})
     return 0
 
 

@@ -165,7 +165,7 @@ class NumpyOneBitAdamAuto(NumpyOneBitAdamFull):
 
         if self.decided is None and len(self.norms) < self.count <= self.freeze:
             self.norms.append({k: float(np.sqrt(np.sum(self.v[k].astype(np.float64) ** 2))) for k in self.keys})
-            fired = np_auto_freeze(self.norms, **self.rule)
+            fired = np_auto_freeze(self.norms, b2=self.b2, **self.rule)
             if fired is not None:
                 self.decided = self.freeze = fired
 

@@ -268,16 +268,26 @@ class NumpyOneBitLamb:
 
 
 
-def np_auto_freeze(norm_history, *, min_step, max_step, check_every, threshold, patience):
-    """The automatic freeze point from per-update variance norms (``norm_history[t]``: dict of ``||v||`` after update
-    ``t + 1``), by the rule stated in ``jonebit.AutoFreeze``; ``None`` if it fires after the history ends."""
+def np_auto_freeze(norm_history, *, b2, min_step, max_step, check_every, threshold, patience, statistic="median"):
+    """The automatic freeze point from per-update variance norms (``norm_history[t]``: dict of the raw ``||v||`` after
+    update ``t + 1``), by the rule stated in ``jonebit.AutoFreeze`` (on ``||v|| / (1 - b2^(t + 1))``); ``None`` if it
+    fires after the history ends."""
+
+    def rel(new, old):
+        return abs(new - old) / old if old > 0 else (np.inf if new > 0 else 0.0)
+
     reference, calm = None, 0
-    for t, norms in enumerate(norm_history):
+    for t, raw in enumerate(norm_history):
         done = t + 1
+        norms = {k: n / (1.0 - b2 ** done) for k, n in raw.items()}
         if done % check_every == 0:
             if reference is not None:
-                change = max(abs(norms[k] - reference[k]) / reference[k] if reference[k] > 0 else
-                             (np.inf if norms[k] > 0 else 0.0) for k in norms)
+                if statistic == "global":
+                    change = rel(np.sqrt(sum(n * n for n in norms.values())),
+                                 np.sqrt(sum(n * n for n in reference.values())))
+                else:
+                    changes = [rel(norms[k], reference[k]) for k in norms]
+                    change = max(changes) if statistic == "max" else float(np.median(changes))
                 calm = calm + 1 if change < threshold else 0
             reference = dict(norms)
             if calm >= patience and done >= min_step:

@@ -30,8 +30,8 @@ optimizers).
 
 ``freeze_step: "auto"`` (OneBitAdam, OneBitLamb; jonebit only, ZeRO stage 0): the optimizer decides the freeze
 point by :class:`jonebit.AutoFreeze`, whose fields an optional ``auto_freeze`` object sets (``min_step``,
-``max_step``, ``check_every``, ``threshold``, ``patience``; update counts as jonebit counts them). Elsewhere
-``"auto"`` is the HuggingFace Trainer's placeholder and is refused with a hint to give the number.
+``max_step``, ``check_every``, ``threshold``, ``patience``, ``statistic``; update counts as jonebit counts them).
+Elsewhere ``"auto"`` is the HuggingFace Trainer's placeholder and is refused with a hint to give the number.
 """
 
 from __future__ import annotations
@@ -192,7 +192,15 @@ def _freeze_step(v, k):
     return _int(v, k, minimum=1)
 
 
-_AUTO_FREEZE_KEYS = ("min_step", "max_step", "check_every", "threshold", "patience")
+_AUTO_FREEZE_KEYS = ("min_step", "max_step", "check_every", "threshold", "patience", "statistic")
+
+
+def _statistic(v, k):
+    from jonebit.transforms.common import AUTO_STATISTICS
+
+    if v not in AUTO_STATISTICS:
+        raise ConfigError(k, f"must be one of {', '.join(repr(x) for x in AUTO_STATISTICS)}, got {v!r}")
+    return v
 
 
 def _auto_freeze(v, k):
@@ -207,7 +215,12 @@ def _auto_freeze(v, k):
     for name in _AUTO_FREEZE_KEYS:
         if name in v:
             key = _join(k, name)
-            out[name] = _float(v[name], key, positive=True) if name == "threshold" else _int(v[name], key, minimum=1)
+            if name == "statistic":
+                out[name] = _statistic(v[name], key)
+            elif name == "threshold":
+                out[name] = _float(v[name], key, positive=True)
+            else:
+                out[name] = _int(v[name], key, minimum=1)
     from jonebit.transforms.common import AutoFreeze
 
     rule = AutoFreeze(**out)
@@ -1253,5 +1266,6 @@ def _auto_text(params) -> str:
     from jonebit.transforms.common import AutoFreeze
 
     rule = AutoFreeze(**(params.get("auto_freeze") or {}))
-    return (f"every {rule.check_every} updates, {rule.patience} checks with every ||v|| moving < "
+    what = {"median": "the median tensor's", "max": "every tensor's", "global": "the global"}[rule.statistic]
+    return (f"every {rule.check_every} updates, {rule.patience} checks with {what} bias-corrected ||v|| moving < "
             f"{rule.threshold:g}; between {rule.min_step} and {rule.max_step} updates")

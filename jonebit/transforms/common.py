@@ -257,20 +257,35 @@ def learning_rate_at(learning_rate: ScalarOrSchedule, count) -> Any:
     return learning_rate(count) if callable(learning_rate) else learning_rate
 
 
+AUTO_STATISTICS = ("median", "max", "global")
+
+
 class AutoFreeze(NamedTuple):
     """The rule that picks the freeze point when ``freeze_step="auto"``.
 
-    Every ``check_every`` warmup updates, each tensor's variance norm ``||v_i||`` is compared with its value at the
-    previous check; the check is *calm* when ``max_i |Δ||v_i||| / ||v_i||_prev < threshold``. Compression starts
-    after the update on which ``patience`` consecutive checks were calm, but not before ``min_step`` updates, and
-    at the latest after ``max_step`` updates. ``v`` is identical on all ranks, so every rank decides the same.
+    The rule watches the bias-corrected variance ``v_hat = v / (1 - b2^t)`` after ``t`` warmup updates: the raw EMA
+    ``v`` grows for about ``1 / (1 - b2)`` updates just by filling up (its norm changes by about ``check_every / t``
+    per check even for a stationary gradient), so only ``v_hat`` says whether the gradient's second moment has
+    settled. Every ``check_every`` updates each tensor's ``||v_hat_i||`` is compared with its value at the previous
+    check, ``c_i = |Δ||v_hat_i||| / ||v_hat_i||_prev``, and the check is *calm* when ``statistic`` of the changes is
+    below ``threshold``:
+
+    * ``"median"`` (default): the median of ``c_i`` over the tensors (one volatile tensor, e.g. an embedding whose
+      rare rows keep arriving, does not hold the whole model back);
+    * ``"max"``: the largest ``c_i`` (every tensor must have settled; on short runs it may never fire);
+    * ``"global"``: the relative change of the whole model's ``||v_hat||`` (dominated by the largest tensors).
+
+    Compression starts after the update on which ``patience`` consecutive checks were calm, but not before
+    ``min_step`` updates, and at the latest after ``max_step`` updates. ``v`` is identical on all ranks, so every
+    rank decides the same.
 
     Attributes:
       min_step: fewest warmup updates (keep ``>= 1 / (1 - coeff_beta)`` for LAMB's coefficient EMA).
       max_step: most warmup updates (the hard cap).
       check_every: updates between checks.
-      threshold: largest relative change of a tensor's variance norm that counts as calm.
+      threshold: the largest change (of ``statistic``) that counts as calm.
       patience: consecutive calm checks needed.
+      statistic: ``"median"``, ``"max"`` or ``"global"`` (above).
     """
 
     min_step: int = 100
@@ -278,6 +293,7 @@ class AutoFreeze(NamedTuple):
     check_every: int = 50
     threshold: float = 0.05
     patience: int = 3
+    statistic: str = "median"
 
     def checked(self, who: str) -> AutoFreeze:
         for name in ("min_step", "max_step", "check_every", "patience"):
@@ -286,6 +302,9 @@ class AutoFreeze(NamedTuple):
             raise ValueError(f"{who}: auto_freeze.max_step ({self.max_step}) must be >= min_step ({self.min_step})")
         if not (is_number(self.threshold) and self.threshold > 0):
             raise ValueError(f"{who}: auto_freeze.threshold must be a number > 0, got {self.threshold!r}")
+        if self.statistic not in AUTO_STATISTICS:
+            raise ValueError(f"{who}: auto_freeze.statistic must be one of {', '.join(AUTO_STATISTICS)}, got "
+                             f"{self.statistic!r}")
         return self
 
 
@@ -294,18 +313,30 @@ def variance_norms(nu):
     return jax.tree.map(lambda v: jnp.sqrt(jnp.sum(v * v)), nu)
 
 
-def auto_freeze_step(rule: AutoFreeze, count, nu, reference, calm_checks, freeze_at, backend: Backend | None = None):
+def _relative_change(new, old):
+    """``|new - old| / old``; infinite where ``old`` is 0 and ``new`` is not, 0 where both are."""
+    return jnp.abs(new - old) / jnp.where(old > 0, old, 1.0) + jnp.where((old == 0) & (new > 0), jnp.inf, 0.0)
+
+
+def auto_freeze_step(rule: AutoFreeze, count, nu, reference, calm_checks, freeze_at, backend: Backend | None = None,
+                     *, b2):
     """One warmup update's freeze decision: ``(freeze_at, reference, calm_checks)`` after update ``count`` (0-based).
 
     ``freeze_at`` becomes ``count + 1`` (this was the last warmup update) when the rule fires; otherwise it keeps its
-    value (initially ``rule.max_step``, the cap). ``reference`` holds the variance norms of the last check.
+    value (initially ``rule.max_step``, the cap). ``reference`` holds the bias-corrected variance norms of the last
+    check; ``b2`` is the variance's EMA rate.
     """
     done = count + 1
     is_check = done % rule.check_every == 0
-    norms = variance_norms(nu)
-    change = [jnp.abs(n - r) / jnp.where(r > 0, r, 1.0) + jnp.where((r == 0) & (n > 0), jnp.inf, 0.0)
-              for n, r in zip(jax.tree.leaves(norms), jax.tree.leaves(reference), strict=True)]
-    calm = jnp.max(jnp.stack(change)) < rule.threshold
+    correction = 1.0 - jnp.asarray(b2, jnp.float32) ** jnp.asarray(done, jnp.float32)
+    norms = jax.tree.map(lambda n: n / correction, variance_norms(nu))
+    new, old = jnp.stack(jax.tree.leaves(norms)), jnp.stack(jax.tree.leaves(reference))
+    if rule.statistic == "global":
+        statistic = _relative_change(jnp.sqrt(jnp.sum(new * new)), jnp.sqrt(jnp.sum(old * old)))
+    else:
+        change = _relative_change(new, old)
+        statistic = jnp.max(change) if rule.statistic == "max" else jnp.median(change)
+    calm = statistic < rule.threshold
     # The first check has nothing to compare with: it only records the reference.
     first = done == rule.check_every
     calm_checks = jnp.where(is_check, jnp.where(calm & ~first, calm_checks + 1, 0), calm_checks)

@@ -103,7 +103,7 @@ class OneBitAdamState(NamedTuple):
       freeze_at: with ``freeze_step="auto"``: the number of warmup updates (int32), the cap until the rule fires and
         then the update it fired on (kept, so a resumed run continues the decision); ``None`` with an int
         ``freeze_step`` (the state is then exactly as before).
-      variance_norms: with ``"auto"``: per tensor, ``||v||`` at the rule's last check; else ``None``.
+      variance_norms: with ``"auto"``: per tensor, ``||v / (1 - b2^t)||`` at the rule's last check; else ``None``.
       calm_checks: with ``"auto"``: consecutive calm checks of the rule (int32); else ``None``.
     """
 
@@ -388,10 +388,11 @@ def onebit_adam(
         buffers the state passed in is gone: restore a checkpoint). Without it one bad element would spread to
         every parameter, moment and error buffer on every rank.
       auto_freeze: the rule for ``freeze_step="auto"`` (default ``AutoFreeze()``): every ``check_every`` warmup
-        updates each tensor's ``||v||`` is compared with the previous check; after ``patience`` consecutive checks
-        whose largest relative change is below ``threshold`` compression starts, not before ``min_step`` and at
-        the latest after ``max_step`` updates. With ``bias_correction`` the variance correction is frozen at the
-        decided point. Only with ``freeze_step="auto"``.
+        updates each tensor's bias-corrected ``||v / (1 - b2^t)||`` is compared with the previous check; after
+        ``patience`` consecutive checks whose median relative change (``statistic``) is below ``threshold``
+        compression starts, not before ``min_step`` and at the latest after ``max_step`` updates. With
+        ``bias_correction`` the variance correction is frozen at the decided point. Only with
+        ``freeze_step="auto"``.
 
     Returns:
       An ``optax.GradientTransformation`` whose ``update(local_grads, state, params)`` expects this rank's
@@ -648,7 +649,7 @@ def onebit_adam(
             if rule is None:
                 return mu, nu, worker_error, server_error
             freeze_at, norms, calm = auto_freeze_step(rule, count, nu, state.variance_norms, state.calm_checks,
-                                                      state.freeze_at, backend)
+                                                      state.freeze_at, backend, b2=b2)
             return mu, nu, worker_error, server_error, freeze_at, norms, calm
 
         def compression(_):

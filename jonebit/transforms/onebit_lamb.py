@@ -26,10 +26,11 @@ DeepSpeed, the tail starts at zero and afterwards holds what the previous allred
 next step's scales); it is part of the state.
 
 ``freeze_step="auto"`` replaces the fixed switch by a rule (:class:`jonebit.AutoFreeze`): every ``check_every``
-warmup updates the per-tensor variance norms are compared with the previous check, and compression starts once
-their largest relative change stayed below ``threshold`` for ``patience`` checks (between ``min_step`` and
-``max_step`` updates). The decision is taken inside the compiled step from replicated values, so every rank takes
-it at the same update; it is logged once and kept in the state (``freeze_at``), so a resumed run continues it.
+warmup updates the per-tensor norms of the bias-corrected variance are compared with the previous check, and
+compression starts once the median relative change (or the ``statistic`` chosen) stayed below ``threshold`` for
+``patience`` checks (between ``min_step`` and ``max_step`` updates). The decision is taken inside the compiled step
+from replicated values, so every rank takes it at the same update; it is logged once and kept in the state
+(``freeze_at``), so a resumed run continues it.
 
 Parameters and moments are identical on all ranks (params can stay replicated, ``P()``); only the two error
 buffers are per rank (:func:`jonebit.state_specs`).
@@ -84,7 +85,8 @@ class OneBitLambState(NamedTuple):
       server_error: this rank's server error, ``(1, padded_size(N, P) // P)``.
       freeze_at: number of warmup updates (int32): ``freeze_step``, or with ``freeze_step="auto"`` the cap until the
         rule fires and then the update it fired on (kept, so a resumed run continues the decision).
-      variance_norms: per tensor, ``||v||`` at the last check of the automatic rule (unused with a fixed freeze_step).
+      variance_norms: per tensor, ``||v / (1 - b2^t)||`` at the last check of the automatic rule (unused with a
+        fixed freeze_step).
       calm_checks: consecutive calm checks of the automatic rule.
     """
 
@@ -221,7 +223,8 @@ def onebit_lamb(
             v = jax.tree.map(lambda v, g: b2 * v + (1.0 - b2) * g * g, state.nu, g)
             freeze_at, norms, calm = state.freeze_at, state.variance_norms, state.calm_checks
             if rule is not None:
-                freeze_at, norms, calm = common.auto_freeze_step(rule, count, v, norms, calm, freeze_at, backend)
+                freeze_at, norms, calm = common.auto_freeze_step(rule, count, v, norms, calm, freeze_at, backend,
+                                                                 b2=b2)
             # The last warmup update starts the fresh variance from v.
             v_fresh = jax.tree.map(lambda f, v: jnp.where(count == freeze_at - 1, v, f), state.nu_fresh, v)
 

@@ -210,13 +210,15 @@ BAD = [
     (edit(ONEBIT, "optimizer.params.freeze_step", "never"), "optimizer.params.freeze_step",
      r"expected an integer or \"auto\", got 'never' \(str\)"),
     (edit(AUTO1, "optimizer.params.auto_freeze", {"min_stpe": 3}), "optimizer.params.auto_freeze.min_stpe",
-     r"unknown key; auto_freeze takes min_step, max_step, check_every, threshold, patience"),
+     r"unknown key; auto_freeze takes min_step, max_step, check_every, threshold, patience, statistic"),
     (edit(AUTO1, "optimizer.params.auto_freeze", {"threshold": 0}), "optimizer.params.auto_freeze.threshold",
      r"expected a number > 0, got 0"),
     (edit(AUTO1, "optimizer.params.auto_freeze", {"patience": 0}), "optimizer.params.auto_freeze.patience",
      r"expected an integer >= 1, got 0"),
     (edit(AUTO1, "optimizer.params.auto_freeze", {"check_every": "10"}), "optimizer.params.auto_freeze.check_every",
      r"expected an integer, got '10' \(str\)"),
+    (edit(AUTO1, "optimizer.params.auto_freeze", {"statistic": "mean"}), "optimizer.params.auto_freeze.statistic",
+     r"must be one of 'median', 'max', 'global', got 'mean'"),
     (edit(AUTO1, "optimizer.params.auto_freeze", {"min_step": 50, "max_step": 10}),
      "optimizer.params.auto_freeze.max_step", r"max_step \(10\) must be >= min_step \(50\)"),
     (edit(AUTO1, "optimizer.params.auto_freeze", [10, 0.3]), "optimizer.params.auto_freeze",
@@ -520,7 +522,7 @@ def test_onebit_adam_options():
 def test_freeze_step_auto_from_config_equals_direct_onebit_adam_and_lamb(capsys):
     """"freeze_step": "auto" with an auto_freeze rule builds onebit_adam/onebit_lamb(freeze_step="auto") with that
     rule (jonebit's update counts); the describe text names it."""
-    rule = {"min_step": 2, "max_step": 6, "check_every": 1, "threshold": 0.5, "patience": 1}
+    rule = {"min_step": 2, "max_step": 6, "check_every": 1, "threshold": 0.5, "patience": 1, "statistic": "max"}
     cfg = {"train_batch_size": 8 * N_DEV,
            "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-2, "freeze_step": "auto", "auto_freeze": rule}}}
     config = load_config(cfg)

@@ -186,6 +186,40 @@ def test_checkpoint_mid_warmup_resumes_the_decision(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed), jax.device_get(cont))
 
 
+@pytest.mark.parametrize("statistic", jonebit.transforms.common.AUTO_STATISTICS)
+def test_each_statistic_decides_as_the_reference(statistic):
+    rule = dict(RULE, statistic=statistic)
+    *_, state, ref, trace = run_auto(2, rule=rule, steps=24)
+    assert ref.decided is not None and RULE["min_step"] < ref.decided < RULE["max_step"], ref.decided
+    assert int(state.freeze_at) == ref.decided
+
+
+def test_rule_reads_the_bias_corrected_variance():
+    """A constant gradient: v = (1 - b2^t) g^2, so the raw ||v|| keeps growing for ~1/(1 - b2) updates while the
+    corrected one is constant from the first update. The rule must fire at its first chance: the first check only
+    records, then ``patience`` calm checks (a rule on the raw ||v|| would wait hundreds of updates here)."""
+    p, b2 = 2, 0.999
+    rule = dict(min_step=1, max_step=500, check_every=4, threshold=0.01, patience=2)
+    rng = np.random.default_rng(1)
+    params0 = make_params(rng)
+    g = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params0.items()}
+    mesh = mesh_of(p)
+    tx = onebit_adam(1e-3, freeze_step="auto", auto_freeze=jonebit.AutoFreeze(**rule), b2=b2)
+    state, specs = sharded_init(tx, params0, mesh)
+    step, put = stepper(tx, mesh, specs)
+    params = jax.device_put(params0, jax.NamedSharding(mesh, P()))
+    for _ in range(16):
+        params, state = step(params, state, put({k: np.stack([v] * p) for k, v in g.items()}))
+    assert int(state.freeze_at) == rule["check_every"] * (rule["patience"] + 1) == 12
+    # The raw norms of the same run would not have been calm: their change per check is about check_every / t.
+    raw = [{k: float(np.sqrt(np.sum(v.astype(np.float64) ** 4))) * (1 - b2 ** t) for k, v in g.items()}
+           for t in range(1, 17)]
+    from tests.reference_family import np_auto_freeze
+
+    assert np_auto_freeze(raw, b2=b2, **rule) == 12
+    assert np_auto_freeze(raw, b2=0.0, **rule) is None  # b2=0 in the correction: the raw norms, never calm
+
+
 def test_int_freeze_step_state_is_unchanged():
     """With an int freeze_step the state holds no auto fields (same leaves as before the auto option existed)."""
     params0 = make_params(np.random.default_rng(0))
@@ -205,6 +239,8 @@ def test_int_freeze_step_state_is_unchanged():
         (dict(freeze_step="auto", auto_freeze=jonebit.AutoFreeze(threshold=0.0)), ValueError,
          r"auto_freeze.threshold must be"),
         (dict(freeze_step="auto", auto_freeze={"min_step": 3}), TypeError, r"auto_freeze must be a jonebit.AutoFreeze"),
+        (dict(freeze_step="auto", auto_freeze=jonebit.AutoFreeze(statistic="mean")), ValueError,
+         r"auto_freeze.statistic must be one of median, max, global, got 'mean'"),
         (dict(freeze_step="auto", zero_stage=1), ValueError,
          r"freeze_step=\"auto\" is available with zero_stage=0 only, got zero_stage=1"),
     ],

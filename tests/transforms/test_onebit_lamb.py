@@ -260,7 +260,7 @@ def test_auto_freeze_fires_by_the_stated_rule_and_equals_that_fixed_freeze_step(
 
     with caplog.at_level(logging.INFO, logger="jonebit.transforms"):
         params0, grads, params, state, norms = auto_run(AUTO, 36)
-    want = np_auto_freeze(norms, **AUTO)
+    want = np_auto_freeze(norms, b2=0.9, **AUTO)
     assert want is not None and AUTO["min_step"] < want < 30  # the rule itself decided, not a bound
     assert int(state.freeze_at) == want
     assert caplog.text.count("compression starts after update") == 1
@@ -281,10 +281,10 @@ def test_auto_freeze_fires_by_the_stated_rule_and_equals_that_fixed_freeze_step(
 def test_auto_freeze_bounds():
     strict = dict(AUTO, threshold=1e-9)  # never calm: the cap decides
     *_, state, norms = auto_run(dict(strict, max_step=10), 12, p=1)
-    assert int(state.freeze_at) == 10 and np_auto_freeze(norms, **dict(strict, max_step=10)) == 10
+    assert int(state.freeze_at) == 10 and np_auto_freeze(norms, b2=0.9, **dict(strict, max_step=10)) == 10
     lax_rule = dict(AUTO, threshold=10.0, min_step=15)  # calm from the second check: the minimum decides
     *_, state, norms = auto_run(lax_rule, 20, p=1)
-    assert int(state.freeze_at) == 15 == np_auto_freeze(norms, **lax_rule)
+    assert int(state.freeze_at) == 15 == np_auto_freeze(norms, b2=0.9, **lax_rule)
 
 
 @pytest.mark.parametrize(
