@@ -10,8 +10,9 @@ The embedded pre-training job of ``jonebit pretrain`` (a tiny BERT, MLM + NSP, o
 * ``onebit_default``: jonebit's defaults, bias correction and one scale per tensor
   (``bias_correction=True, fused=False``);
 * ``onebit_auto``: the defaults with ``"freeze_step": "auto"`` and the default rule (``jonebit.AutoFreeze()``);
-* ``onebit_auto_tuned``: the same with the rule ``AUTO_TUNED`` (checks every 10 updates, threshold 0.3, at least
-  20 updates), chosen for a run of a few hundred steps. The table's ``freeze at`` column gives the update after
+* ``onebit_auto_tuned`` / ``onebit_auto_strict``: the same with the rules ``AUTO_TUNED`` / ``AUTO_STRICT`` (checks
+  every 10 updates, the median tensor's bias-corrected variance norm moving by less than 20% / 10% per check, three
+  checks in a row, at least 20 updates), for a run of a few hundred steps. The table's ``freeze at`` column gives the update after
   which compression started (from the metrics' ``stage``) and its share of the run.
 
 1-bit Adam freezes the variance after 20% of the steps. The table gives the held-out MLM loss at the end and the
@@ -19,7 +20,8 @@ gap to Adam; the figure the training curves. Results: ``benchmarks/results/defau
 
     python benchmarks/defaults_convergence.py                 # 300 steps, ~15-25 min on 2 busy cores
     python benchmarks/defaults_convergence.py --steps 100     # a quicker look
-    python benchmarks/defaults_convergence.py --variants adam onebit_default onebit_auto onebit_auto_tuned --tag auto
+    python benchmarks/defaults_convergence.py --variants adam onebit_default onebit_auto onebit_auto_tuned \
+        onebit_auto_strict --tag auto
 
 The same comparison on real text (issue: BERT-mini on the SQuAD training articles with the BERT uncased vocab):
 
@@ -40,7 +42,10 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.common import RESULTS, write_json  # noqa: E402  (sets 8 CPU devices)
 
-AUTO_TUNED = {"check_every": 10, "threshold": 0.3, "min_step": 20, "patience": 3}
+# Rules for a run of a few hundred updates (the default checks every 50 updates, for runs of thousands): the median
+# tensor's bias-corrected ||v|| moving < 20% (tuned) or < 10% (strict) per 10 updates, 3 checks in a row.
+AUTO_TUNED = {"check_every": 10, "threshold": 0.2, "min_step": 20, "patience": 3}
+AUTO_STRICT = dict(AUTO_TUNED, threshold=0.1)
 
 VARIANTS = {  # name -> (optimizer type, bias_correction, fused[, auto_freeze rule ({}: the default) for "auto"])
     "adam": ("Adam", None, None),
@@ -49,6 +54,7 @@ VARIANTS = {  # name -> (optimizer type, bias_correction, fused[, auto_freeze ru
     "onebit_default": ("OneBitAdam", True, False),
     "onebit_auto": ("OneBitAdam", True, False, {}),
     "onebit_auto_tuned": ("OneBitAdam", True, False, AUTO_TUNED),
+    "onebit_auto_strict": ("OneBitAdam", True, False, AUTO_STRICT),
 }
 DEFAULT_VARIANTS = ["adam", "onebit_deepspeed", "onebit_bias_fused", "onebit_default"]
 

@@ -266,7 +266,8 @@ class AutoFreeze(NamedTuple):
     The rule watches the bias-corrected variance ``v_hat = v / (1 - b2^t)`` after ``t`` warmup updates: the raw EMA
     ``v`` grows for about ``1 / (1 - b2)`` updates just by filling up (its norm changes by about ``check_every / t``
     per check even for a stationary gradient), so only ``v_hat`` says whether the gradient's second moment has
-    settled. Every ``check_every`` updates each tensor's ``||v_hat_i||`` is compared with its value at the previous
+    settled (``v_hat`` is read whatever the optimizer's ``bias_correction``: only the rule uses it). Every
+    ``check_every`` updates each tensor's ``||v_hat_i||`` is compared with its value at the previous
     check, ``c_i = |Δ||v_hat_i||| / ||v_hat_i||_prev``, and the check is *calm* when ``statistic`` of the changes is
     below ``threshold``:
 
