@@ -10,10 +10,10 @@ The embedded pre-training job of ``jonebit pretrain`` (a tiny BERT, MLM + NSP, o
 * ``onebit_default``: jonebit's defaults, bias correction and one scale per tensor
   (``bias_correction=True, fused=False``);
 * ``onebit_auto``: the defaults with ``"freeze_step": "auto"`` and the default rule (``jonebit.AutoFreeze()``);
-* ``onebit_auto_tuned`` / ``onebit_auto_strict``: the same with the rules ``AUTO_TUNED`` / ``AUTO_STRICT`` (checks
-  every 10 updates, the median tensor's bias-corrected variance norm moving by less than 20% / 10% per check, three
-  checks in a row, at least 20 updates), for a run of a few hundred steps. The table's ``freeze at`` column gives the update after
-  which compression started (from the metrics' ``stage``) and its share of the run.
+* ``onebit_auto_tuned`` / ``onebit_auto_strict``: the same with the rules ``AUTO_TUNED`` / ``AUTO_STRICT``
+  (checks every 10 updates, the median tensor's bias-corrected variance norm moving by less than 20% / 10% per
+  check, three checks in a row, at least 20 updates), for a run of a few hundred steps. The table's ``freeze at``
+  column gives the update after which compression started (from the metrics' ``stage``) and its share of the run.
 
 1-bit Adam freezes the variance after 20% of the steps. The table gives the held-out MLM loss at the end and the
 gap to Adam; the figure the training curves. Results: ``benchmarks/results/defaults_convergence.{json,png}``.
