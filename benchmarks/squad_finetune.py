@@ -87,6 +87,7 @@ def main() -> None:
     p.add_argument("--optimizers", nargs="+", default=["adam", "onebit_adam"], choices=["adam", "onebit_adam"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="runs/squad_finetune")
+    p.add_argument("--tag", help="also write benchmarks/results/squad_finetune_TAG.{json,png} (the curves)")
     args = p.parse_args()
 
     from jonebit.squad_train import run
@@ -115,6 +116,18 @@ def main() -> None:
         print(f"\n{b['optimizer']} - {a['optimizer']}: F1 {b['f1'] - a['f1']:+.2f}, EM "
               f"{b['exact_match'] - a['exact_match']:+.2f}, bytes sent x{ratio:.3f}")
     print(f"\nwritten: {out / 'results.json'}")
+    if args.tag:
+        from jonebit.plot import plot_runs
+
+        results = pathlib.Path(__file__).resolve().parent / "results"
+        stem = results / f"squad_finetune_{args.tag}"
+        curves = {r["optimizer"]: [json.loads(line) for line in (out / r["optimizer"] / "metrics.jsonl").open()]
+                  for r in rows}
+        payload = {"command": " ".join(["python", "benchmarks/squad_finetune.py", *sys.argv[1:]]), "setup": setup,
+                   "runs": rows, "curves": {k: [(c["step"], c["loss"]) for c in v] for k, v in curves.items()}}
+        stem.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
+        plot_runs([out / r["optimizer"] for r in rows], stem.with_suffix(".png"), labels=[r["optimizer"] for r in rows])
+        print(f"written: {stem}.json and {stem}.png")
 
 
 if __name__ == "__main__":
