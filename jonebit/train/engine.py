@@ -43,6 +43,7 @@ The step returns the new :class:`TrainState` and a dict of scalar metrics (``los
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -363,6 +364,26 @@ def _same_specs(a, b) -> bool:
     return ta == tb and all(_spec_tuple(x) == _spec_tuple(y) for x, y in zip(la, lb, strict=True))
 
 
+def copied_parameters(hlo_text: str) -> set[int]:
+    """The entry parameters (by number) that an optimised HLO module copies whole: ``copy(%p)`` of a parameter."""
+    entry = hlo_text[hlo_text.find("\nENTRY "):]
+    names = dict(re.findall(r"%([\w.\-]+) = [^\n=]*? parameter\((\d+)\)", entry))
+    return {int(names[p]) for p in re.findall(r"\bcopy\(%([\w.\-]+)\)", entry) if p in names}
+
+
+class _KeptOptState:
+    """A step compiled with the optimizer state passed apart and not donated, called like the plain one."""
+
+    def __init__(self, program):
+        self.program = program
+
+    def __call__(self, state: TrainState, batch):
+        return self.program(state._replace(opt_state=None), state.opt_state, batch)
+
+    def as_text(self) -> str:
+        return self.program.as_text()
+
+
 def make_train_step(
     loss_fn: Callable[[Any, Any], Any],
     tx: optax.GradientTransformation,
@@ -566,6 +587,7 @@ def make_train_step(
     )
     state_dev = jax.tree.map(lambda s: s.with_memory_kind("device"), state_shardings.opt_state)
     donated = (0,) if donate else ()
+    keep_state = None
 
     if stage == 0:
         # Under MPI the mesh is one device and the transform's collectives are mpi4jax's, outside jax's
@@ -573,6 +595,9 @@ def make_train_step(
         mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()),
                                check_vma=mpi is None)
         jitted = jax.jit(mapped, donate_argnums=donated)
+        # The same step with the optimizer state passed apart and not donated (see ``compiled``).
+        keep_state = jax.jit(lambda rest, opt_state, batch: mapped(rest._replace(opt_state=opt_state), batch),
+                             donate_argnums=(0,)) if donate else None
     elif onebit is not None:
         mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()))
 
@@ -623,12 +648,31 @@ def make_train_step(
             )
 
     def compiled(state: TrainState, batch):
-        """The compiled step for these argument shapes (compiled once; its HLO text gives the traffic)."""
+        """The compiled step for these argument shapes (compiled once; its HLO text gives the traffic).
+
+        At stage 0 a donated optimizer state can cost more than it saves: where the compiler recomputes the new
+        moments inside both of their consumers (the skip's select, written in place, and the parameter update),
+        it first copies every donated moment whole (XLA:CPU does, for optax's Adam). A program whose copies hold
+        at least 90% of the optimizer state's bytes is replaced by the same step with the optimizer state not
+        donated: nearly the same peak memory (the copies were that large) without the copying. Other programs
+        keep the donation (1-bit optimizers: only their step count is copied).
+        """
         key = jax.tree.structure((state, batch)), tuple(
             (np.shape(x), str(getattr(x, "dtype", type(x)))) for x in jax.tree.leaves((state, batch)))
         if key not in cache:
             check_layout(state)
-            cache[key] = jitted.lower(state, jax.device_put(batch, batch_sharding)).compile()
+            batch = jax.device_put(batch, batch_sharding)
+            program = jitted.lower(state, batch).compile()
+            if keep_state is not None:
+                # The program's parameters are the leaves of (state, batch) in order; TrainState's fields put
+                # the optimizer state's leaves after those of step and params.
+                first = len(jax.tree.leaves((state.step, state.params)))
+                sizes = [np.size(x) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.opt_state)]
+                copied = copied_parameters(program.as_text())
+                if 10 * sum(b for i, b in enumerate(sizes) if first + i in copied) >= 9 * sum(sizes):
+                    kept = keep_state.lower(state._replace(opt_state=None), state.opt_state, batch).compile()
+                    program = _KeptOptState(kept)
+            cache[key] = program
         return cache[key]
 
     def tx_report(state: TrainState):

@@ -306,3 +306,44 @@ def test_bad_inputs(case):
 def test_bad_input_table_is_complete():
     assert len(_bad_calls()) == 19
     assert isinstance(init_train_state(optax.sgd(0.1), _params(), data_mesh())[0], TrainState)
+
+
+def test_optimizer_state_is_not_donated_where_donation_would_copy_it():
+    """XLA:CPU recomputes Adam's new moments inside both of their consumers (the skip's select, which writes them in
+    place, and the parameter update) and therefore copies every donated moment whole first. The engine then passes
+    the optimizer state undonated: its program copies no optimizer-state parameter, the parameters are still
+    donated, and every step equals the never-donating step bit for bit, a skipped one included. A 1-bit optimizer,
+    whose program copies only its step count, keeps its state donated."""
+    from jonebit.train.engine import copied_parameters
+
+    mesh = data_mesh()
+    tx = optax.adam(1e-2)
+    state, specs = init_train_state(tx, _params(), mesh)
+    ref_state, _ = init_train_state(tx, _params(), mesh)
+    step = make_train_step(loss_fn, tx, mesh, specs, grad_reduce="mean")
+    ref = make_train_step(loss_fn, tx, mesh, specs, grad_reduce="mean", donate=False)
+    n_opt = len(jax.tree.leaves(state.opt_state))
+    first = len(jax.tree.leaves((state.step, state.params)))
+    placed = jax.device_put(_batch(N * 2, 0), jax.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+    donating = step.jitted.lower(state, placed).compile().as_text()
+    assert copied_parameters(donating) & set(range(first, first + n_opt))  # what the engine works around
+    rest = len(jax.tree.leaves(state._replace(opt_state=None)))
+    chosen = step.compiled(state, _batch(N * 2, 0)).as_text()
+    assert not copied_parameters(chosen) & set(range(rest, rest + n_opt))
+    for i in range(4):
+        b = _batch(N * 2, i) if i != 2 else _poison(_batch(N * 2, i), rank=3)
+        old = state
+        state, m = step(state, b)
+        ref_state, ref_m = ref(ref_state, b)
+        assert bool(m["skipped"]) == (i == 2) == bool(ref_m["skipped"])
+        assert _leaves_equal(state, ref_state), f"step {i}"
+        assert all(x.is_deleted() for x in jax.tree.leaves(old.params))
+        assert not any(x.is_deleted() for x in jax.tree.leaves(old.opt_state))
+
+    onebit = jonebit.onebit_adam(1e-2, freeze_step=1)
+    state, specs = init_train_state(onebit, _params(), mesh)
+    step = make_train_step(loss_fn, onebit, mesh, specs, grad_reduce=None)
+    for i in range(3):  # warmup, then compression
+        old = state
+        state, _ = step(state, _batch(N * 2, i))
+        assert all(x.is_deleted() for x in jax.tree.leaves(old.opt_state))
