@@ -325,6 +325,7 @@ def onebit_adam(
     zero_stage: int | None = None,
     nonfinite: str = "skip",
     auto_freeze: AutoFreeze | None = None,
+    mask_unseen: bool = True,
 ) -> optax.GradientTransformation:
     r"""1-bit Adam (Tang et al., 2021) with DeepSpeed's semantics.
 
@@ -356,6 +357,11 @@ def onebit_adam(
         allreduce (e.g. to keep BERT's unused position embeddings at exactly zero). A leaf is None (no mask) or
         a bool or 0/1 array with the param's rank whose dimensions are the param's or 1 (``(rows, 1)`` masks
         rows), so the mask need not be as large as the params.
+      mask_unseen: in the compression stage, elements whose frozen variance is exactly 0 (no gradient reached
+        them during warmup, e.g. embedding rows of tokens not yet seen) keep a zero momentum and get no update
+        (default). ``False`` is DeepSpeed's arithmetic: the 1-bit average gives them their chunk's magnitude, which
+        the step divides by ``eps`` (fine-tuning MiniLM on SQuAD moved such rows by up to 28 against an
+        embedding scale of 0.04). ZeRO stage 0 only (at stages 1-3 the arithmetic is DeepSpeed's).
       bias_correction: apply Adam's bias correction (default). After freeze_step the variance correction stays
         at its freeze_step value. DeepSpeed's 1-bit Adam has none (it ignores its flag): ``False`` reproduces it.
       fused: ``True`` compresses all leaves as one flat buffer (one collective and one worker scale per step,
@@ -449,7 +455,8 @@ def onebit_adam(
         _check_scalar("max_grad_norm", max_grad_norm, low=0.0)
         if _is_number(max_grad_norm) and max_grad_norm == 0:
             max_grad_norm = None
-    for name, value in (("bias_correction", bias_correction), ("fused", fused), ("error_feedback", error_feedback)):
+    for name, value in (("bias_correction", bias_correction), ("fused", fused), ("error_feedback", error_feedback),
+                        ("mask_unseen", mask_unseen)):
         _check_bool(name, value)
     if nonfinite not in NONFINITE_MODES:
         raise ValueError(f"onebit_adam: nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
@@ -663,6 +670,8 @@ def onebit_adam(
                 leaves, treedef = jax.tree.flatten(mu)
                 mu = treedef.unflatten([m if k is None else m * jnp.asarray(k, jnp.float32)
                                         for m, k in zip(leaves, mask, strict=True)])
+            if mask_unseen:  # the frozen variance is 0 exactly where no gradient has ever arrived
+                mu = jax.tree.map(lambda m, v: jnp.where(v > 0, m, 0.0), mu, state.nu)
             return (mu, state.nu, we, se, *decision)
 
         def _clip(g):

@@ -217,6 +217,8 @@ BAD = [
      r"expected an integer >= 1, got 0"),
     (edit(AUTO1, "optimizer.params.auto_freeze", {"check_every": "10"}), "optimizer.params.auto_freeze.check_every",
      r"expected an integer, got '10' \(str\)"),
+    (edit(ONEBIT, "optimizer.params.mask_unseen", "no"), "optimizer.params.mask_unseen",
+     r"expected true or false, got 'no' \(str\)"),
     (edit(AUTO1, "optimizer.params.auto_freeze", {"statistic": "mean"}), "optimizer.params.auto_freeze.statistic",
      r"must be one of 'median', 'max', 'global', got 'mean'"),
     (edit(AUTO1, "optimizer.params.auto_freeze", {"min_step": 50, "max_step": 10}),

@@ -93,6 +93,43 @@ def test_mask_keeps_momentum_exactly_zero():
             np.testing.assert_allclose(got[k], expect[k], rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("mask_unseen", [True, False])
+def test_elements_no_gradient_reached_before_the_freeze(mask_unseen, fused):
+    """Rows of "w" get no gradient on any rank until after the freeze (tokens not yet seen): their frozen variance
+    is 0. DeepSpeed's arithmetic (``mask_unseen=False``) gives them the 1-bit average's magnitude divided by eps, as
+    the numpy reference of the spec does; the default keeps their momentum at 0 and the rows where they are, the
+    reference with those rows masked."""
+    p, steps, freeze, lr = 4, 7, 3, 1e-2
+    rng = np.random.default_rng(5)
+    params0 = make_params(rng)
+    unseen = np.zeros((5, 7), bool)
+    unseen[3:] = True
+    mesh = mesh_of(p)
+    tx = onebit_adam(lr, freeze_step=freeze, fused=fused, bias_correction=False, mask_unseen=mask_unseen)
+    state, specs = sharded_init(tx, params0, mesh)
+    step, put = stepper(tx, mesh, specs)
+    params = jax.device_put(params0, jax.NamedSharding(mesh, P()))
+    mask = {"b": np.ones(13, np.float32), "w": (~unseen).astype(np.float32)} if mask_unseen else None
+    ref = NumpyOneBitAdam(params0, p, freeze_step=freeze, lr=lr, mask=mask, fused=fused)
+    for t in range(steps):
+        grads = [{k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params0.items()} for _ in range(p)]
+        if t < freeze:
+            for g in grads:
+                g["w"][unseen] = 0.0
+        params, state = step(params, state, put({k: np.stack([g[k] for g in grads]) for k in params0}))
+        expect = ref.step(grads)
+        for k in expect:
+            np.testing.assert_allclose(np.asarray(params[k]), expect[k], rtol=2e-5, atol=2e-6,
+                                       err_msg=f"step {t} leaf {k}")
+    moved = np.abs(np.asarray(params["w"]) - params0["w"])
+    if mask_unseen:
+        assert np.all(moved[unseen] == 0.0) and np.all(np.asarray(state.mu["w"])[unseen] == 0.0)
+        assert np.all(moved[~unseen] > 0.0)
+    else:
+        assert moved[unseen].min() > 1e3 * moved[~unseen].max()  # divided by eps: DeepSpeed's blow-up
+
+
 def test_single_rank_works_and_skips_compression():
     history = run_both(1, steps=5, freeze_step=2)
     for got, expect, _, _ in history:

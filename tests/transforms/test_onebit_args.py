@@ -41,6 +41,7 @@ CONSTRUCTION = [
     (dict(fused=None), TypeError, r"fused must be True or False, got NoneType"),
     (dict(bias_correction=1), TypeError, r"bias_correction must be True or False, got int 1"),
     (dict(error_feedback="no"), TypeError, r"error_feedback must be True or False, got str 'no'"),
+    (dict(mask_unseen=0), TypeError, r"mask_unseen must be True or False, got int 0"),
     (dict(error_feedback=1.5), TypeError, r"error_feedback must be True or False, got float 1.5"),
     (dict(amsgrad="no"), TypeError, r"amsgrad must be True or False"),
     (dict(nonfinite="ignore"), ValueError, r"nonfinite must be one of \('skip', 'raise'\), got 'ignore'"),
