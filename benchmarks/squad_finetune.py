@@ -117,12 +117,10 @@ def main() -> None:
               f"{b['exact_match'] - a['exact_match']:+.2f}, bytes sent x{ratio:.3f}")
     print(f"\nwritten: {out / 'results.json'}")
     if args.tag:
-        from jonebit.plot import plot_runs
+        from jonebit.plot import plot_runs, read_metrics
 
-        results = pathlib.Path(__file__).resolve().parent / "results"
-        stem = results / f"squad_finetune_{args.tag}"
-        curves = {r["optimizer"]: [json.loads(line) for line in (out / r["optimizer"] / "metrics.jsonl").open()]
-                  for r in rows}
+        stem = pathlib.Path(__file__).resolve().parent / "results" / f"squad_finetune_{args.tag}"
+        curves = {r["optimizer"]: read_metrics(out / r["optimizer"]) for r in rows}
         payload = {"command": " ".join(["python", "benchmarks/squad_finetune.py", *sys.argv[1:]]), "setup": setup,
                    "runs": rows, "curves": {k: [(c["step"], c["loss"]) for c in v] for k, v in curves.items()}}
         stem.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
