@@ -44,7 +44,7 @@ _BING_LR = 3e-5
 
 def default_config(optimizer: str, batch_size: int, max_steps: int, *, lr: float = _BING_LR,
                    warmup_proportion: float = 0.1, freeze_proportion: float = 0.2,
-                   weight_decay: float = 0.0) -> dict:
+                   weight_decay: float = 0.0, row_scales: bool = False) -> dict:
     """The built-in DeepSpeed config: BingBertSQuAD's hyper-parameters for ``max_steps`` steps.
 
     Args:
@@ -55,6 +55,7 @@ def default_config(optimizer: str, batch_size: int, max_steps: int, *, lr: float
       warmup_proportion: fraction of the steps of linear warmup.
       freeze_proportion: 1-bit Adam: fraction of the steps run as uncompressed Adam before compression.
       weight_decay: decoupled weight decay.
+      row_scales: 1-bit Adam: one compression scale per row of each matrix (``onebit_adam(row_scales=True)``).
     """
     if optimizer not in ("adam", "onebit_adam"):
         raise ValueError(f"--optimizer must be adam or onebit_adam, got {optimizer!r}")
@@ -66,7 +67,8 @@ def default_config(optimizer: str, batch_size: int, max_steps: int, *, lr: float
         # DeepSpeed's freeze_step F runs F - 1 Adam updates; keep at least one of them.
         freeze = max(1, round(freeze_proportion * max_steps)) + 1
         config["optimizer"] = {"type": "OneBitAdam", "params": {"lr": lr, "weight_decay": weight_decay,
-                                                                "freeze_step": freeze, "bias_correction": True}}
+                                                                "freeze_step": freeze, "bias_correction": True,
+                                                                "row_scales": row_scales}}
     return config
 
 
@@ -317,6 +319,7 @@ def run(
     warmup_proportion: float = 0.1,
     freeze_proportion: float = 0.2,
     weight_decay: float = 0.0,
+    row_scales: bool = False,
     predict_batch_size: int = 64,
     n_best_size: int = 20,
     max_answer_length: int = 30,
@@ -388,7 +391,7 @@ def run(
     if config is None:
         cfg = default_config(optimizer, train_batch, steps, lr=learning_rate or _BING_LR,
                              warmup_proportion=warmup_proportion, freeze_proportion=freeze_proportion,
-                             weight_decay=weight_decay)
+                             weight_decay=weight_decay, row_scales=row_scales)
     elif "scheduler" not in cfg:
         lr = cfg.get("optimizer", {}).get("params", {}).get("lr", _BING_LR)
         cfg["scheduler"] = bing_schedule(lr, steps, warmup_proportion)
@@ -490,6 +493,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--freeze-proportion", type=float, default=0.2,
                    help="built-in 1-bit Adam: fraction of uncompressed steps (default 0.2)")
     p.add_argument("--weight-decay", type=float, default=0.0, help="built-in config's weight decay (default 0)")
+    p.add_argument("--row-scales", action="store_true",
+                   help="built-in 1-bit Adam: one compression scale per row of each matrix (8%% more bytes)")
     p.add_argument("--max-train-examples", type=int, help="use the first N training questions")
     p.add_argument("--max-eval-examples", type=int, help="predict the first N questions of --predict-file")
     p.add_argument("--predict-batch-size", type=int, default=64, help="windows per prediction batch (default 64)")
@@ -524,7 +529,7 @@ def main(args) -> int:
             batch_size=args.batch_size, micro_batch=args.micro_batch, max_steps=args.max_steps,
             max_train_examples=args.max_train_examples, max_eval_examples=args.max_eval_examples,
             learning_rate=args.learning_rate, warmup_proportion=args.warmup_proportion,
-            freeze_proportion=args.freeze_proportion, weight_decay=args.weight_decay,
+            freeze_proportion=args.freeze_proportion, weight_decay=args.weight_decay, row_scales=args.row_scales,
             predict_batch_size=args.predict_batch_size, n_best_size=args.n_best_size,
             max_answer_length=args.max_answer_length, eval_every=args.eval_every,
             checkpoint_every=args.checkpoint_every, data_parallel=args.data_parallel, seed=args.seed,

@@ -49,12 +49,57 @@ def np_compressed_allreduce(xs, wes, ses):
     return out, new_wes, new_ses
 
 
+def np_row_padded(n: int, p: int, row: int) -> int:
+    # Whole rows per rank, and whole bytes: the smallest rows-per-rank count r with r * row % 8 == 0.
+    per_rank = next(r for r in range(1, 9) if r * row % 8 == 0)
+    rows = n // row
+    return int(math.ceil(rows / (per_rank * p)) * per_rank * p) * row
+
+
+def np_compressed_allreduce_rows(xs, wes, ses, row):
+    """The compressed allreduce with one scale per row of ``row`` floats (``row_scales``), for P ranks."""
+    p = len(xs)
+    n = xs[0].shape[0]
+    n_pad = np_row_padded(n, p, row)
+    c = n_pad // p
+
+    def rms(v):  # per row
+        r = v.reshape(-1, row).astype(np.float64)
+        return (np.sqrt(np.sum(r * r, axis=1)) / np.sqrt(row)).astype(np.float32)
+
+    def expand(scales):
+        return np.repeat(scales, row)
+
+    signs, scales, new_wes = [], [], []
+    for x, we in zip(xs, wes, strict=True):
+        buf = np.zeros(n_pad, np.float32)
+        buf[:n] = x
+        buf = buf + we
+        s = rms(buf)
+        signs.append(np_sign(buf))
+        scales.append(expand(s))
+        new_wes.append(buf - expand(s) * np_sign(buf))
+    out_chunks, new_ses = [], []
+    for r in range(p):
+        z = np.zeros(c, np.float32)
+        for j in range(p):
+            z = z + (scales[j][r * c:(r + 1) * c] / np.float32(p)) * signs[j][r * c:(r + 1) * c]
+        y = z + ses[r]
+        s = expand(rms(y))
+        new_ses.append(y - s * np_sign(y))
+        out_chunks.append(s * np_sign(y))
+    return np.concatenate(out_chunks)[:n], new_wes, new_ses
+
+
 class NumpyOneBitAdam:
     """1-bit Adam of the spec for P simulated ranks on a dict of arrays (independent of jonebit)."""
 
-    def __init__(self, params, p, *, freeze_step, lr, b1=0.9, b2=0.999, eps=1e-8, wd=0.0, mask=None, fused=True):
+    def __init__(self, params, p, *, freeze_step, lr, b1=0.9, b2=0.999, eps=1e-8, wd=0.0, mask=None, fused=True,
+                 row_scales=False):
         self.p, self.freeze, self.lr, self.b1, self.b2, self.eps, self.wd = p, freeze_step, lr, b1, b2, eps, wd
-        self.mask, self.fused = mask, fused
+        self.mask, self.fused, self.row_scales = mask, fused, row_scales
+        # row_scales: one scale per row (last axis) of every array of rank >= 2, per-leaf compression only.
+        self.rows = {k: (v.shape[-1] if row_scales and np.ndim(v) >= 2 else None) for k, v in params.items()}
         self.keys = sorted(params)
         self.params = {k: np.array(v, np.float32) for k, v in params.items()}
         self.m = {k: np.zeros_like(v) for k, v in self.params.items()}
@@ -62,8 +107,10 @@ class NumpyOneBitAdam:
         self.count = 0
         groups = [None] if fused else self.keys
         size = lambda g: sum(self.params[k].size for k in self.keys) if g is None else self.params[g].size  # noqa: E731
-        self.we = {g: [np.zeros(np_padded(size(g), p), np.float32) for _ in range(p)] for g in groups}
-        self.se = {g: [np.zeros(np_padded(size(g), p) // p, np.float32) for _ in range(p)] for g in groups}
+        padded = lambda g: (np_padded(size(g), p) if g is None or self.rows[g] is None  # noqa: E731
+                            else np_row_padded(size(g), p, self.rows[g]))
+        self.we = {g: [np.zeros(padded(g), np.float32) for _ in range(p)] for g in groups}
+        self.se = {g: [np.zeros(padded(g) // p, np.float32) for _ in range(p)] for g in groups}
 
     def step(self, local_grads):
         """local_grads: list over ranks of dicts. Returns the new params."""
@@ -84,8 +131,12 @@ class NumpyOneBitAdam:
                         self.m[k] = out[offs[i]:offs[i + 1]].reshape(self.m[k].shape)
                 else:
                     for k in self.keys:
-                        out, self.we[k], self.se[k] = np_compressed_allreduce(
-                            [lm[k].ravel() for lm in local_m], self.we[k], self.se[k])
+                        bufs = [lm[k].ravel() for lm in local_m]
+                        if self.rows[k] is None:
+                            out, self.we[k], self.se[k] = np_compressed_allreduce(bufs, self.we[k], self.se[k])
+                        else:
+                            out, self.we[k], self.se[k] = np_compressed_allreduce_rows(
+                                bufs, self.we[k], self.se[k], self.rows[k])
                         self.m[k] = out.reshape(self.m[k].shape)
             else:
                 self.m = local_m[0]

@@ -53,6 +53,32 @@ def compressed_bytes_per_rank(n: int, world_size: int) -> int:
     return (2 * (p - 1) * padded_size(n, p) // 8) // p + 8 * (p - 1)
 
 
+def row_padded_size(n: int, world_size: int, row: int) -> int:
+    """Padded length of ``n = rows * row`` floats compressed with one scale per row of ``row`` floats.
+
+    The rows are rounded up to a multiple of ``P * 8 / gcd(row, 8)``, so every rank's chunk holds whole rows and
+    whole bytes.
+    """
+    n, world_size, row = int(n), int(world_size), int(row)
+    if row < 1 or n % row:
+        raise ValueError(f"a buffer of {n} floats cannot be split into rows of {row}")
+    unit = world_size * (8 // math.gcd(row, 8))
+    return -(-(n // row) // unit) * unit * row
+
+
+def buffer_padded_size(n: int, world_size: int, row: int | None = None) -> int:
+    """:func:`padded_size` (``row=None``: one scale per buffer and chunk) or :func:`row_padded_size`."""
+    return padded_size(n, world_size) if row is None else row_padded_size(n, world_size, row)
+
+
+def row_compressed_bytes_per_rank(n: int, world_size: int, row: int) -> int:
+    """Bytes one rank sends in one compressed allreduce of ``n`` floats with one scale per row of ``row``."""
+    p = world_size
+    n_pad = row_padded_size(n, p, row)
+    per_rank = n_pad // p // 8 + _SCALE_BYTES * (n_pad // row // p)
+    return 2 * (p - 1) * per_rank
+
+
 def _rms_scale(x: jax.Array) -> jax.Array:
     # ||x||_2 / sqrt(len): the scale that makes scale * sgn(x) have the same norm as x.
     return jnp.linalg.norm(x) / np.float32(math.sqrt(x.shape[0]))
@@ -63,6 +89,33 @@ def _compress(x: jax.Array):
     scale = _rms_scale(x)
     signs = jnp.where(sign_bits(x), jnp.float32(1.0), jnp.float32(-1.0))
     return scale, pack_signs(x), x - scale * signs
+
+
+def _row_scales(x: jax.Array, row: int) -> jax.Array:
+    """One rms scale per row of ``row`` consecutive elements of the 1-D ``x``."""
+    rows = x.reshape(-1, row)
+    return jnp.sqrt(jnp.sum(rows * rows, axis=1)) / np.float32(math.sqrt(row))
+
+
+def _compress_rows(x: jax.Array, row: int):
+    """:func:`_compress` with one scale per row: (scales, packed signs, new error)."""
+    scales = _row_scales(x, row)
+    signs = jnp.where(sign_bits(x), jnp.float32(1.0), jnp.float32(-1.0))
+    err = (x.reshape(-1, row) - scales[:, None] * signs.reshape(-1, row)).reshape(-1)
+    return scales, pack_signs(x), err
+
+
+def _with_row_scales(packed: jax.Array, scales: jax.Array) -> jax.Array:
+    """Appends ``(..., k)`` float32 scales to ``(..., b)`` uint8 rows as ``4 k`` raw bytes."""
+    raw = lax.bitcast_convert_type(scales.astype(jnp.float32), jnp.uint8)  # (..., k, 4)
+    return jnp.concatenate([packed, raw.reshape(*scales.shape[:-1], -1)], axis=-1)
+
+
+def _split_row_scales(rows: jax.Array, count: int):
+    """Inverse of :func:`_with_row_scales`: ``(..., b)`` bytes and ``(..., count)`` scales."""
+    raw = rows[..., rows.shape[-1] - _SCALE_BYTES * count:]
+    scales = lax.bitcast_convert_type(raw.reshape(*raw.shape[:-1], count, _SCALE_BYTES), jnp.float32)
+    return rows[..., :rows.shape[-1] - _SCALE_BYTES * count], scales
 
 
 def _with_scale(packed: jax.Array, scale: jax.Array) -> jax.Array:
@@ -93,7 +146,7 @@ def _sum_rows(row, p: int):
     return lax.fori_loop(1, p, lambda j, acc: acc + row(j), row(0))
 
 
-def _check_buffers(x, worker_error, server_error, p: int):
+def _check_buffers(x, worker_error, server_error, p: int, row: int | None = None):
     x = jnp.asarray(x)
     if x.ndim != 1:
         raise ValueError(f"compressed_allreduce expects a 1-D buffer, got shape {x.shape}")
@@ -102,29 +155,39 @@ def _check_buffers(x, worker_error, server_error, p: int):
     n = x.shape[0]
     if n == 0:
         raise ValueError("compressed_allreduce got an empty buffer")
-    n_pad = padded_size(n, p)
+    n_pad = buffer_padded_size(n, p, row)
     chunk = n_pad // p
+    size = f"padded_size({n}, {p})" if row is None else f"row_padded_size({n}, {p}, {row})"
     if tuple(worker_error.shape) != (n_pad,):
-        raise ValueError(
-            f"worker_error must have shape ({n_pad},) = padded_size({n}, {p}), got {tuple(worker_error.shape)}"
-        )
+        raise ValueError(f"worker_error must have shape ({n_pad},) = {size}, got {tuple(worker_error.shape)}")
     if tuple(server_error.shape) != (chunk,):
-        raise ValueError(
-            f"server_error must have shape ({chunk},) = padded_size({n}, {p}) // {p}, "
-            f"got {tuple(server_error.shape)}"
-        )
+        raise ValueError(f"server_error must have shape ({chunk},) = {size} // {p}, got {tuple(server_error.shape)}")
     return x, n, n_pad, chunk
 
 
-def _worker_rows(x, n: int, worker_error, p: int):
-    """Worker side: ``(rows, new_worker_error)``; row ``j`` of the ``(P, C/8 + 4)`` rows goes to rank ``j``."""
+def _worker_rows(x, n: int, worker_error, p: int, row: int | None = None):
+    """Worker side: ``(rows, new_worker_error)``; row ``j`` of the ``(P, C/8 + 4)`` rows goes to rank ``j``.
+
+    With ``row``: one scale per ``row`` floats, rows ``(P, C/8 + 4 C/row)`` (each rank gets its chunk's scales).
+    """
     buf = jnp.pad(x.astype(jnp.float32), (0, worker_error.shape[0] - n)) + worker_error
+    if row is not None:
+        s_w, packed, new_worker_error = _compress_rows(buf, row)
+        return _with_row_scales(packed.reshape(p, -1), s_w.reshape(p, -1)), new_worker_error
     s_w, packed, new_worker_error = _compress(buf)
     return _with_scale(packed.reshape(p, -1), s_w), new_worker_error
 
 
-def _server_row(received, server_error, p: int):
+def _server_row(received, server_error, p: int, row: int | None = None):
     """Server side of the ``(P, C/8 + 4)`` rows received from the workers: ``(row, new_server_error)``."""
+    if row is not None:  # one scale per row of `row` floats, for the workers' and this rank's signs alike
+        count = server_error.shape[0] // row
+        bits_from, s_w_all = _split_row_scales(received, count)  # (P, C/8), (P, C/row)
+        signs = unpack_rows(bits_from).reshape(p, count, row)
+        w = s_w_all / np.float32(p)
+        z = _sum_rows(lambda j: signs[j] * w[j][:, None], p).reshape(-1)
+        s_s, server_packed, new_server_error = _compress_rows(z + server_error, row)
+        return _with_row_scales(server_packed, s_s), new_server_error
     bits_from, s_w_all = _split_scale(received)
     # This rank's chunk, averaged over workers, summed in rank order. Row by row (not a reduction over the
     # rank axis, which XLA's CPU backend runs an order of magnitude slower). Kept as unpacked signs times the
@@ -158,13 +221,15 @@ def compressed_allreduce_rows(backend: Backend, x, worker_error, server_error):
 _GROUP_BUFFERS = True
 
 
-def buffer_groups(lengths) -> list[list[int]]:
-    """Indices of the buffers grouped by length, groups in order of first appearance, indices ascending."""
+def buffer_groups(lengths, rows=None) -> list[list[int]]:
+    """Indices of the buffers grouped by length (and row length, where given), groups in order of first
+    appearance, indices ascending."""
     if not _GROUP_BUFFERS:
         return [[i] for i in range(len(lengths))]
-    groups: dict[int, list[int]] = {}
-    for i, n in enumerate(lengths):
-        groups.setdefault(int(n), []).append(i)
+    rows = [None] * len(lengths) if rows is None else rows
+    groups: dict[tuple, list[int]] = {}
+    for i, (n, r) in enumerate(zip(lengths, rows, strict=True)):
+        groups.setdefault((int(n), r), []).append(i)
     return list(groups.values())
 
 
@@ -179,7 +244,7 @@ def compressed_allreduce_rows_many(backend: Backend, xs, worker_errors, server_e
     return tuple(ungroup(groups, field, len(xs)) for field in (1, 2, 3))
 
 
-def compressed_allreduce_groups(backend: Backend, xs, worker_errors, server_errors):
+def compressed_allreduce_groups(backend: Backend, xs, worker_errors, server_errors, rows=None):
     """:func:`compressed_allreduce_rows_many`, its results per group of equal-length buffers.
 
     Returns a list of ``(indices, rows, worker_errors, server_errors)``, one per group of :func:`buffer_groups`:
@@ -187,38 +252,43 @@ def compressed_allreduce_groups(backend: Backend, xs, worker_errors, server_erro
     one batched computation (``jax.vmap`` of the single-buffer one: the same operations, each reduction over one
     buffer's own elements), so the number of operations the program holds grows with the number of distinct
     lengths, not of buffers; a group of one is the single-buffer computation itself.
+
+    ``rows``: per buffer ``None`` (one scale per buffer and chunk) or a row length that divides it (one scale per
+    row; the error buffers then have :func:`row_padded_size`). Decode with :func:`decode_groups` and the same rows.
     """
     p = backend.size
-    checked = [_check_buffers(x, we, se, p) for x, we, se in zip(xs, worker_errors, server_errors, strict=True)]
-    groups = buffer_groups([n for _, n, _, _ in checked])
+    rows = [None] * len(xs) if rows is None else list(rows)
+    checked = [_check_buffers(x, we, se, p, r)
+               for x, we, se, r in zip(xs, worker_errors, server_errors, rows, strict=True)]
+    groups = buffer_groups([n for _, n, _, _ in checked], rows)
     worker = []
     for idx in groups:
-        n = checked[idx[0]][1]
+        n, row = checked[idx[0]][1], rows[idx[0]]
         if len(idx) == 1:
-            rows, we = _worker_rows(checked[idx[0]][0], n, worker_errors[idx[0]], p)
-            worker.append((rows[None], we[None]))
+            out, we = _worker_rows(checked[idx[0]][0], n, worker_errors[idx[0]], p, row)
+            worker.append((out[None], we[None]))
         else:
             x = jnp.stack([checked[i][0].astype(jnp.float32) for i in idx])
             we = jnp.stack([worker_errors[i] for i in idx])
-            worker.append(jax.vmap(lambda x, we, n=n: _worker_rows(x, n, we, p))(x, we))
+            worker.append(jax.vmap(lambda x, we, n=n, row=row: _worker_rows(x, n, we, p, row))(x, we))
     # (k, P, w) -> (P, k w): the rows of a group side by side, so row j (rank j's) stays one row.
-    sent = [jnp.moveaxis(rows, 0, 1).reshape(p, -1) for rows, _ in worker]
+    sent = [jnp.moveaxis(out, 0, 1).reshape(p, -1) for out, _ in worker]
     received = _split_columns(backend.all_to_all(_join_columns(sent)), [(a, None) for a in sent])
     server = []
     for idx, r in zip(groups, received, strict=True):
         r = jnp.moveaxis(r.reshape(p, len(idx), -1), 1, 0)  # (k, P, w)
+        row = rows[idx[0]]
         if len(idx) == 1:
-            row, se = _server_row(r[0], server_errors[idx[0]], p)
-            server.append((row[None], se[None]))
+            out, se = _server_row(r[0], server_errors[idx[0]], p, row)
+            server.append((out[None], se[None]))
         else:
             se = jnp.stack([server_errors[i] for i in idx])
-            server.append(jax.vmap(lambda r, se: _server_row(r, se, p))(r, se))
+            server.append(jax.vmap(lambda r, se, row=row: _server_row(r, se, p, row))(r, se))
     flat = [row.reshape(-1) for row, _ in server]
     gathered = _split_columns(backend.all_gather(_join_columns(flat)), [(a, None) for a in flat])
     out = []
     for idx, g, (_, we), (row, se) in zip(groups, gathered, worker, server, strict=True):
-        rows = jnp.moveaxis(g.reshape(p, len(idx), row.shape[-1]), 1, 0)  # (k, P, w)
-        out.append((idx, rows, we, se))
+        out.append((idx, jnp.moveaxis(g.reshape(p, len(idx), row.shape[-1]), 1, 0), we, se))  # (k, P, w)
     return out
 
 
@@ -232,19 +302,29 @@ def ungroup(groups, field: int, count: int) -> list:
     return out
 
 
-def decode_groups(groups, sizes) -> list[jax.Array]:
+def decode_groups(groups, sizes, rows=None) -> list[jax.Array]:
     """The decoded float32 buffers of :func:`compressed_allreduce_groups` (buffer ``i``: ``sizes[i]`` values).
 
     One batched decode per group; the elements are those of :func:`decode_segments` (a select between
-    ``scale_j * 1`` and ``scale_j * -1``), bit for bit.
+    ``scale_j * 1`` and ``scale_j * -1``), bit for bit. ``rows``: as given to :func:`compressed_allreduce_groups`.
     """
     out = [None] * len(sizes)
-    for idx, rows, _, _ in groups:
+    for idx, grouped, _, _ in groups:
         n = int(sizes[idx[0]])
-        if len(idx) == 1:
-            out[idx[0]] = decode_segments(rows[0], [n])[0]
+        row = None if rows is None else rows[idx[0]]
+        if row is not None:
+            p = grouped.shape[1]
+            count = row_padded_size(n, p, row) // row // p
+            bits, scales = _split_row_scales(grouped, count)  # (k, P, C/8), (k, P, C/row)
+            dec = unpack_rows(bits).reshape(*scales.shape, row) * scales[..., None]
+            dec = dec.reshape(len(idx), -1)[:, :n]
+            for j, i in enumerate(idx):
+                out[i] = dec[j]
             continue
-        bits, scales = _split_scale(rows)  # (k, P, C/8), (k, P)
+        if len(idx) == 1:
+            out[idx[0]] = decode_segments(grouped[0], [n])[0]
+            continue
+        bits, scales = _split_scale(grouped)  # (k, P, C/8), (k, P)
         pos, neg = _signed(scales)
         dec = jnp.where((bits[..., None] & _BIT_WEIGHTS) != 0, pos[..., None, None], neg[..., None, None])
         dec = dec.reshape(len(idx), -1)[:, :n]

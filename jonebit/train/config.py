@@ -291,6 +291,7 @@ _ONEBIT_ADAM_PARAMS = {
     "freeze_step": Param(_freeze_step, 100000),
     "auto_freeze": Param(_auto_freeze, None),  # jonebit only: the rule of freeze_step "auto"
     "mask_unseen": Param(_bool, True),  # jonebit only: false is DeepSpeed's arithmetic for never-seen elements
+    "row_scales": Param(_bool, False),  # jonebit only: one compression scale per row of each matrix
     "betas": _BETAS,
     "eps": Param(_pos_float, 1e-8),
     "weight_decay": Param(_nonneg_float, 0.0),
@@ -305,7 +306,7 @@ _ONEBIT_ADAM_PARAMS = {
 # DeepSpeed's ZeroOneAdam and OnebitLamb take 1-bit Adam's common params (bias_correction is accepted and ignored by
 # both, so it defaults to false here) plus their schedules.
 _ONEBIT_COMMON = {k: v for k, v in _ONEBIT_ADAM_PARAMS.items()
-                  if k not in ("freeze_step", "auto_freeze", "mask_unseen")} | {
+                  if k not in ("freeze_step", "auto_freeze", "mask_unseen", "row_scales")} | {
     "bias_correction": Param(_bool, False),
 }
 _ZERO_ONE_ADAM_PARAMS = _ONEBIT_COMMON | {
@@ -1056,6 +1057,7 @@ def _build_onebit_adam(params: dict, learning_rate, options: dict) -> optax.Grad
         **_freeze_kwargs(params),
         b1=b1, b2=b2, eps=params["eps"], weight_decay=params["weight_decay"],
         bias_correction=params["bias_correction"], mask_unseen=params["mask_unseen"],
+        row_scales=params["row_scales"],
         exp_avg_mask=options.get("exp_avg_mask"),
         fused=options["fused"],
         max_grad_norm=options.get("max_grad_norm"),
@@ -1173,7 +1175,8 @@ def build_optimizer(
         then).
       exp_avg_mask: 1-bit Adam's momentum mask (DeepSpeed sets it in the training script, not in the config).
       fused: 1-bit Adam: compress all leaves as one buffer. Default: DeepSpeed's choice, ``True`` with fp16
-        (its fp16 optimizer flattens the parameters) and ``False`` otherwise (one compression per tensor).
+        (its fp16 optimizer flattens the parameters) and ``False`` otherwise (one compression per tensor), and
+        ``False`` with ``row_scales``.
       zero_stage: 1-bit Adam's ZeRO stage (default ``zero_optimization.stage``). Other optimizers are
         partitioned by the step builder (:func:`jonebit.train.zero.init_zero`), not here.
       clip: apply ``gradient_clipping`` when it is > 0 (also an Adam/Lamb ``max_grad_norm``; the smaller bound
@@ -1194,9 +1197,11 @@ def build_optimizer(
     opt = config.optimizer
     spec = opt.spec
     params = dict(opt.params)
+    if fused is None:  # DeepSpeed's choice, but row scales need one compression per tensor
+        fused = config.fp16.enabled and not (spec.name == "OneBitAdam" and params.get("row_scales"))
     options = {
         "axis_name": axis_name, "mpi_comm": mpi_comm, "exp_avg_mask": exp_avg_mask,
-        "fused": config.fp16.enabled if fused is None else fused,
+        "fused": fused,
         "zero_stage": config.zero_optimization.stage if zero_stage is None else zero_stage,
     }
     # 1-bit Adam at stage 0 clips inside: the averaged gradient in warmup, the local one after (DeepSpeed's places).

@@ -219,6 +219,8 @@ BAD = [
      r"expected an integer, got '10' \(str\)"),
     (edit(ONEBIT, "optimizer.params.mask_unseen", "no"), "optimizer.params.mask_unseen",
      r"expected true or false, got 'no' \(str\)"),
+    (edit(ONEBIT, "optimizer.params.row_scales", 1), "optimizer.params.row_scales",
+     r"expected true or false, got 1 \(int\)"),
     (edit(AUTO1, "optimizer.params.auto_freeze", {"statistic": "mean"}), "optimizer.params.auto_freeze.statistic",
      r"must be one of 'median', 'max', 'global', got 'mean'"),
     (edit(AUTO1, "optimizer.params.auto_freeze", {"min_step": 50, "max_step": 10}),
@@ -519,6 +521,20 @@ def test_onebit_adam_options():
         build_optimizer(load_config(ONEBIT), mpi_comm=object())
     with pytest.raises(ConfigError, match=r"optimizer: the config has no optimizer section"):
         build_optimizer(load_config({"train_batch_size": 8}))
+
+
+def test_row_scales_from_config_equals_direct_onebit_adam():
+    """"row_scales": true builds onebit_adam(row_scales=True), per leaf even with fp16 (whose default is fused)."""
+    cfg = {"train_batch_size": 8 * N_DEV, "fp16": {"enabled": True},
+           "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-2, "freeze_step": 3, "row_scales": True}}}
+    rng = np.random.default_rng(4)
+    params = {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
+    grads = [{k: rng.normal(size=(N_DEV, *s)).astype(np.float32) for k, s in SHAPES.items()} for _ in range(5)]
+    got, _ = run_sharded(build_optimizer(load_config(cfg)), params, grads)
+    want, _ = run_sharded(jonebit.onebit_adam(1e-2, freeze_step=2, row_scales=True), params, grads)
+    assert_trees_close(got, want, rtol=0, atol=0)
+    per_tensor, _ = run_sharded(jonebit.onebit_adam(1e-2, freeze_step=2), params, grads)
+    assert not np.allclose(got["w"], per_tensor["w"], rtol=1e-6, atol=0)
 
 
 def test_freeze_step_auto_from_config_equals_direct_onebit_adam_and_lamb(capsys):

@@ -33,16 +33,17 @@ def stepper(tx, mesh, specs):
     return step, put
 
 
-def run_both(p, *, steps, freeze_step, fused=True, mask=None, wd=0.0, lr=1e-2, seed=0):
+def run_both(p, *, steps, freeze_step, fused=True, mask=None, wd=0.0, lr=1e-2, seed=0, row_scales=False):
     rng = np.random.default_rng(seed)
     params0 = make_params(rng)
     mesh = mesh_of(p)
     tx = onebit_adam(lr, freeze_step=freeze_step, weight_decay=wd, exp_avg_mask=mask, fused=fused,
-                     bias_correction=False)  # the reference is DeepSpeed's: no bias correction
+                     bias_correction=False, row_scales=row_scales)  # the reference is DeepSpeed's: no correction
     state, specs = sharded_init(tx, params0, mesh)
     step, put = stepper(tx, mesh, specs)
     params = jax.device_put(params0, jax.NamedSharding(mesh, P()))
-    ref = NumpyOneBitAdam(params0, p, freeze_step=freeze_step, lr=lr, wd=wd, mask=mask, fused=fused)
+    ref = NumpyOneBitAdam(params0, p, freeze_step=freeze_step, lr=lr, wd=wd, mask=mask, fused=fused,
+                          row_scales=row_scales)
     history = []
     for _ in range(steps):
         grads = [{k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params0.items()} for _ in range(p)]
@@ -69,6 +70,47 @@ def test_matches_numpy_reference_through_freeze(fused):
     we = ref.we[None] if fused else ref.we["w"]
     got_we = state.worker_error if fused else state.worker_error["w"]
     np.testing.assert_allclose(np.asarray(got_we), np.stack(we), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_row_scales_match_numpy_reference_through_freeze(p):
+    history = run_both(p, steps=7, freeze_step=2, fused=False, wd=0.01, row_scales=True)
+    for t, (got, expect, _, _) in enumerate(history):
+        for k in expect:
+            np.testing.assert_allclose(got[k], expect[k], rtol=2e-5, atol=2e-6, err_msg=f"step {t} leaf {k}")
+    state, ref = history[-1][2], history[-1][3]
+    # "w" (5, 7): 5 rows of 7, padded to 8p rows; "b" (13,) keeps one scale per leaf and chunk.
+    assert state.worker_error["w"].shape == (p, 8 * p * 7)  # 7 floats a row: 8 rows a rank for whole bytes
+    assert state.server_error["w"].shape == (p, 8 * 7)
+    for name in ("w", "b"):
+        np.testing.assert_allclose(np.asarray(state.worker_error[name]), np.stack(ref.we[name]), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(state.server_error[name]), np.stack(ref.se[name]), rtol=1e-4, atol=1e-5)
+    # The rows really have their own scales: the per-leaf compression gives other momenta.
+    per_leaf = run_both(p, steps=7, freeze_step=2, fused=False, wd=0.01)
+    assert not np.allclose(np.asarray(per_leaf[-1][2].mu["w"]), np.asarray(state.mu["w"]), rtol=1e-3)
+
+
+def test_row_scales_keep_a_small_row_small():
+    """A row whose momentum is 1000x smaller than the others' comes out of the 1-bit average at its own size
+    with row scales; with one scale per tensor it gets the tensor's typical magnitude."""
+    p, rows, width = 4, 64, 32
+    mesh = mesh_of(p)
+    rng = np.random.default_rng(3)
+    params0 = {"emb": np.zeros((rows, width), np.float32)}
+    grads = rng.standard_normal((p, rows, width)).astype(np.float32)
+    grads[:, 5] *= 1e-3
+    result = {}
+    for row_scales in (False, True):
+        tx = onebit_adam(1e-3, freeze_step=1, row_scales=row_scales, b1=0.0)  # b1=0: the momentum is the gradient
+        state, specs = sharded_init(tx, params0, mesh)
+        step, put = stepper(tx, mesh, specs)
+        params = jax.device_put(params0, jax.NamedSharding(mesh, P()))
+        for _ in range(2):  # one warmup update, then one compressed
+            params, state = step(params, state, put({"emb": grads}))
+        result[row_scales] = np.asarray(state.mu["emb"])
+    small = np.sqrt(np.mean(grads[:, 5].mean(0) ** 2))
+    assert np.sqrt(np.mean(result[True][5] ** 2)) < 10 * small
+    assert np.sqrt(np.mean(result[False][5] ** 2)) > 100 * small
 
 
 def test_warmup_is_plain_adam_on_mean_gradient():
@@ -358,3 +400,25 @@ def test_inject_hyperparams_matches_plain():
     for k in params0:
         # Injected hyperparameters are float32 arrays (1 - b1 rounds differently than in Python floats).
         np.testing.assert_allclose(finals[1][k], finals[0][k], rtol=1e-4, atol=1e-5)
+
+
+def test_row_scales_bytes_from_the_compiled_step():
+    """The compression stage sends the signs plus one float32 per row, as row_compressed_bytes_per_rank says."""
+    from jonebit.comm import compressed_bytes_per_rank
+    from jonebit.comm.accounting import comm_report
+    from jonebit.comm.compressed import row_compressed_bytes_per_rank
+
+    p = 4
+    mesh = mesh_of(p)
+    params0 = {"b": np.zeros(40, np.float32), "emb": np.zeros((100, 64), np.float32)}
+    tx = onebit_adam(1e-3, freeze_step=2, row_scales=True)
+    state, specs = sharded_init(tx, params0, mesh)
+    step, put = stepper(tx, mesh, specs)
+    params = jax.device_put(params0, jax.NamedSharding(mesh, P()))
+    grads = put({k: np.zeros((p, *v.shape), np.float32) for k, v in params0.items()})
+    report = comm_report(step.lower(params, state, grads).compile().as_text(), p)
+    flag = 2 * (p - 1) / p * 4  # the all-reduced non-finite flag
+    want = row_compressed_bytes_per_rank(100 * 64, p, 64) + compressed_bytes_per_rank(40, p) + flag
+    assert report.branch_bytes(0) == pytest.approx(want)
+    # 100 rows of 64 signs (8 bytes) and a 4-byte scale each: 1.5x the signs alone.
+    assert row_compressed_bytes_per_rank(100 * 64, p, 64) == 2 * (p - 1) * (100 // p) * (8 + 4)
