@@ -63,8 +63,9 @@ class NumpyZeroOneAdam:
 
     def __init__(self, params, p, *, lr, var_freeze_step, var_update_scaler=16, local_step_scaler=32678,
                  local_step_clipper=16, b1=0.9, b2=0.999, eps=1e-8, wd=0.0, mask=None, fused=True,
-                 p1_momentum=True, bias_correction=False):
+                 p1_momentum=True, bias_correction=False, mask_unseen=False):
         self.p, self.lr, self.b1, self.b2, self.eps, self.wd = p, lr, b1, b2, eps, wd
+        self.mask_unseen = mask_unseen  # elements with v == 0: no 1-bit average, no momentum
         self.V, self.kappa, self.scaler, self.clipper = var_freeze_step, var_update_scaler, local_step_scaler, \
             local_step_clipper
         self.mask, self.p1_momentum, self.bias_correction = mask, p1_momentum, bias_correction
@@ -117,6 +118,8 @@ class NumpyZeroOneAdam:
                     ghat = self._masked(local_grads[0])
                 else:
                     ghat = None  # DeepSpeed: m untouched with one rank
+                if ghat is not None and self.mask_unseen:
+                    ghat = {k: np.where(self.v[k] > 0, ghat[k], f32(0)) for k in self.keys}
                 if ghat is not None:
                     for r in range(P):
                         self.m[r] = {k: b1 * self.m[r][k] + ob1 * ghat[k] for k in self.keys}
@@ -138,6 +141,8 @@ class NumpyZeroOneAdam:
             for r in range(P):
                 for k in self.keys:
                     self.m[r][k] = b1 * self.m[r][k] + ob1 * local_grads[r][k]
+                    if self.mask_unseen:
+                        self.m[r][k] = np.where(self.v[k] > 0, self.m[r][k], f32(0))
                     d = self.m[r][k] / denom[k] + f32(self.wd) * self.params[r][k]
                     self.params[r][k] = self.params[r][k] - lr * d
                     self.u[r][k] = self.u[r][k] - lr * d
@@ -150,8 +155,9 @@ class NumpyZeroOneAdam:
                 avg = self._masked(avg)
                 for r in range(P):
                     for k in self.keys:
-                        self.m[r][k] = -avg[k] / self.lrs
-                        self.params[r][k] = self.params[r][k] + avg[k] / denom[k]
+                        mine = np.where(self.v[k] > 0, avg[k], self.u[r][k]) if self.mask_unseen else avg[k]
+                        self.m[r][k] = -mine / self.lrs
+                        self.params[r][k] = self.params[r][k] + mine / denom[k]
                         self.u[r][k] = np.zeros_like(self.u[r][k])
                 self.lrs = f32(0.0)
                 self.log.append("sync")

@@ -310,6 +310,7 @@ _ONEBIT_COMMON = {k: v for k, v in _ONEBIT_ADAM_PARAMS.items()
     "bias_correction": Param(_bool, False),
 }
 _ZERO_ONE_ADAM_PARAMS = _ONEBIT_COMMON | {
+    "mask_unseen": Param(_bool, True),  # jonebit only: false is DeepSpeed's arithmetic for never-seen elements
     "var_freeze_step": Param(_pos_int, 100000),
     "var_update_scaler": Param(_pos_int, 16),
     "local_step_scaler": Param(_pos_int, 32678),
@@ -1120,7 +1121,7 @@ def _build_zero_one_adam(params: dict, learning_rate, options: dict) -> optax.Gr
         # Same number: DeepSpeed freezes once its step counter (one ahead, for the init call) exceeds it.
         var_freeze_step=params["var_freeze_step"],
         var_update_scaler=params["var_update_scaler"], local_step_scaler=params["local_step_scaler"],
-        local_step_clipper=params["local_step_clipper"], fused=options["fused"],
+        local_step_clipper=params["local_step_clipper"], fused=options["fused"], mask_unseen=params["mask_unseen"],
         **_family_common("ZeroOneAdam", params, options),
     )
 

@@ -109,6 +109,7 @@ def zero_one_adam(
     fused: bool = True,
     axis_name: str | None = "data",
     mpi_comm: Any = None,
+    mask_unseen: bool = True,
 ) -> optax.GradientTransformation:
     r"""0/1 Adam (Lu et al., 2022) with DeepSpeed's semantics (see the module docstring for the phases).
 
@@ -136,6 +137,11 @@ def zero_one_adam(
         (its fp32 path).
       axis_name: the ``jax.shard_map`` mesh axis of the data-parallel ranks.
       mpi_comm: an mpi4py communicator (or :class:`~jonebit.comm.MPIBackend`); the collectives then go through MPI.
+      mask_unseen: elements whose variance is exactly 0 (no variance step has seen a gradient there, e.g. the
+        embedding rows of tokens not yet seen) take no compressed average and keep a zero momentum, so they move
+        only by weight decay (default). ``False`` is DeepSpeed's arithmetic: the 1-bit average gives them their
+        chunk's magnitude, which the step divides by ``eps``. Elements whose variance is tiny but not 0 are not
+        covered: give the variance steps time, or raise ``eps``.
 
     Returns:
       An ``optax.GradientTransformation``; ``update(local_grads, state, params)`` takes this rank's gradient and
@@ -154,8 +160,9 @@ def zero_one_adam(
           updates, opt_state = tx.update(grads, opt_state, params)
           return jax.tree.map(lambda x: x[None], optax.apply_updates(params, updates)), opt_state
     """
-    if not isinstance(bias_correction, bool):
-        raise TypeError(f"{_WHO}: bias_correction must be True or False, got {bias_correction!r}")
+    for name, value in (("bias_correction", bias_correction), ("mask_unseen", mask_unseen)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{_WHO}: {name} must be True or False, got {value!r}")
     var_freeze_step = common.check_int(
         "var_freeze_step", var_freeze_step, minimum=1, who=_WHO,
         hint=" (the variance must be estimated on at least one update before it is frozen)")
@@ -214,6 +221,14 @@ def zero_one_adam(
             d = m / denominator(v, var_updates)
             return d + weight_decay * p if decays else d
 
+        def seen(tree, v, other=None):
+            """``tree`` where the variance is > 0; elsewhere 0 (or ``other``): see ``mask_unseen``."""
+            if not mask_unseen:
+                return tree
+            if other is None:
+                return jax.tree.map(lambda x, v: jnp.where(v > 0, x, 0.0), tree, v)
+            return jax.tree.map(lambda x, v, o: jnp.where(v > 0, x, o), tree, v, other)
+
         def compress(tree, we, se):
             if backend.size == 1:  # nothing to average (DeepSpeed skips the call too)
                 return tree, we, se
@@ -229,7 +244,7 @@ def zero_one_adam(
 
             def onebit_step(_):
                 g, we1, se1 = compress(grads, we, se)
-                g = common.apply_mask(g, mask)
+                g = seen(common.apply_mask(g, mask), nu)
                 m = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, mu, g)
                 return local(m), nu, we1, se1
 
@@ -248,15 +263,17 @@ def zero_one_adam(
                     var_updates)
 
         def local_steps(_):
-            m = local(jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, mu, grads))
+            m = local(seen(jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, mu, grads), nu))
             lrs = state.lrs + lr
             moves = jax.tree.map(lambda m, v, p: -lr * direction(m, v, p, state.var_updates, False), m, nu, ps)
             acc = jax.tree.map(jnp.add, u, moves)
 
             def sync(_):
                 denom = jax.tree.map(lambda v: denominator(v, state.var_updates), nu)
-                w, we1, se1 = compress(jax.tree.map(jnp.multiply, acc, denom), we, se)
-                w = common.apply_mask(w, mask)
+                scaled = jax.tree.map(jnp.multiply, acc, denom)
+                w, we1, se1 = compress(scaled, we, se)
+                # Unseen elements keep their own moves (weight decay only), not the 1-bit average.
+                w = seen(common.apply_mask(w, mask), nu, scaled)
                 m_synced = jax.tree.map(lambda w: -w / lrs, w)
                 # p - lr d - u + w / denom: undo the local moves, apply the averaged one.
                 updates = jax.tree.map(lambda mv, a, w, dn: mv - a + w / dn, moves, acc, w, denom)

@@ -28,7 +28,7 @@ STEPS = 30
 
 
 def run(p, *, fused=True, wd=0.01, mask=None, lr=1e-2, seed=0, steps=STEPS, schedule=SCHEDULE, tx_kwargs=None,
-        **ref_kwargs):
+        unseen_rows=0, **ref_kwargs):
     """Runs zero_one_adam and the numpy reference on the same per-rank gradients; yields per-update results."""
     rng = np.random.default_rng(seed)
     params0 = make_params(rng)
@@ -40,6 +40,8 @@ def run(p, *, fused=True, wd=0.01, mask=None, lr=1e-2, seed=0, steps=STEPS, sche
     ref = NumpyZeroOneAdam(params0, p, lr=lr, wd=wd, mask=mask, fused=fused, **schedule, **ref_kwargs)
     for t in range(steps):
         grads = random_grads(rng, params0, p)
+        for g in grads:  # rows of "z" no gradient ever reaches (an embedding's unseen tokens)
+            g["z"][:unseen_rows] = 0.0
         params, state = step(params, state, put_rows(stack(grads), mesh))
         want = ref.step(grads)
         yield t, {k: np.asarray(v) for k, v in params.items()}, [dict(w) for w in want], ref, state, grads
@@ -49,6 +51,29 @@ def assert_close(got, want, t, rtol=5e-5, atol=5e-5):
     for r, w in enumerate(want):
         for k in w:
             np.testing.assert_allclose(got[k][r], w[k], rtol=rtol, atol=atol, err_msg=f"update {t} rank {r} leaf {k}")
+
+
+@pytest.mark.parametrize("mask_unseen", [True, False])
+def test_elements_without_gradient_stay_put_unless_deepspeed_arithmetic(mask_unseen):
+    """Rows whose variance stays 0: with mask_unseen (default) they take no 1-bit average and no momentum, so
+    with wd=0 they never move; DeepSpeed's arithmetic moves them by the average's magnitude over eps. Both against
+    the numpy reference, through every phase."""
+    p, rows = 4, 2
+    params0 = make_params(np.random.default_rng(0))
+    last = None
+    for t, got, want, ref, _, _ in run(p, wd=0.0, unseen_rows=rows, tx_kwargs=dict(mask_unseen=mask_unseen),
+                                       mask_unseen=mask_unseen):
+        scale = max(1.0, float(np.abs(want[0]["z"][:rows]).max()))  # DeepSpeed's rows grow to ~lr / eps
+        assert_close(got, want, t, rtol=5e-5, atol=5e-5 * scale)
+        last = got, ref
+    got, ref = last
+    assert set(ref.log) == {"var", "onebit", "local", "sync"}
+    moved = np.abs(got["z"][:, :rows] - params0["z"][:rows]).max()
+    if mask_unseen:
+        assert moved == 0.0
+        assert np.abs(got["z"][:, rows:] - params0["z"][rows:]).max() > 1e-3  # the other rows train
+    else:
+        assert moved > 1.0
 
 
 @pytest.mark.parametrize("p", [1, 2, 4, 8])
