@@ -179,11 +179,12 @@ class NumpyOneBitLamb:
     """
 
     def __init__(self, params, p, *, lr, freeze_step, b1=0.9, b2=0.999, eps=1e-8, wd=0.0, max_coeff=10.0,
-                 min_coeff=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5, factor_threshold=0.1, mask=None):
+                 min_coeff=0.01, coeff_beta=0.9, factor_max=4.0, factor_min=0.5, factor_threshold=0.1, mask=None,
+                 mask_unseen=False):
         self.p, self.lr, self.F, self.b1, self.b2, self.eps, self.wd = p, lr, freeze_step, b1, b2, eps, wd
         self.max_coeff, self.min_coeff, self.coeff_beta = max_coeff, min_coeff, coeff_beta
         self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
-        self.mask = mask
+        self.mask, self.mask_unseen = mask, mask_unseen  # mask_unseen: momentum 0 where the frozen v is 0
         self.keys = sorted(params)  # DeepSpeed's parameter order = jax's leaf order of a dict
         self.params = {k: np.array(params[k], f32) for k in self.keys}
         zeros = lambda: {k: np.zeros_like(v) for k, v in self.params.items()}  # noqa: E731
@@ -248,6 +249,8 @@ class NumpyOneBitLamb:
                 m = self.m[k] / self.scaling[k]
                 if self.mask is not None:
                     m = m * self.mask[k]
+                if self.mask_unseen:
+                    m = np.where(self.v[k] > 0, m, f32(0))
                 self.m[k] = m
                 g_rec = (m - b1 * m_prev[k]) / ob1
                 self.v_fresh[k] = b2 * self.v_fresh[k] + ob2 * g_rec * g_rec

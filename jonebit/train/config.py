@@ -306,11 +306,10 @@ _ONEBIT_ADAM_PARAMS = {
 # DeepSpeed's ZeroOneAdam and OnebitLamb take 1-bit Adam's common params (bias_correction is accepted and ignored by
 # both, so it defaults to false here) plus their schedules.
 _ONEBIT_COMMON = {k: v for k, v in _ONEBIT_ADAM_PARAMS.items()
-                  if k not in ("freeze_step", "auto_freeze", "mask_unseen", "row_scales")} | {
+                  if k not in ("freeze_step", "auto_freeze", "row_scales")} | {
     "bias_correction": Param(_bool, False),
 }
 _ZERO_ONE_ADAM_PARAMS = _ONEBIT_COMMON | {
-    "mask_unseen": Param(_bool, True),  # jonebit only: false is DeepSpeed's arithmetic for never-seen elements
     "var_freeze_step": Param(_pos_int, 100000),
     "var_update_scaler": Param(_pos_int, 16),
     "local_step_scaler": Param(_pos_int, 32678),
@@ -1109,7 +1108,7 @@ def _family_common(name: str, params: dict, options: dict) -> dict:
     mpi_comm = _onebit_comm(params, options)
     b1, b2 = params["betas"]
     return dict(b1=b1, b2=b2, eps=params["eps"], weight_decay=params["weight_decay"],
-                exp_avg_mask=options.get("exp_avg_mask"),
+                exp_avg_mask=options.get("exp_avg_mask"), mask_unseen=params["mask_unseen"],
                 axis_name=None if mpi_comm is not None else options.get("axis_name", "data"), mpi_comm=mpi_comm)
 
 
@@ -1121,7 +1120,7 @@ def _build_zero_one_adam(params: dict, learning_rate, options: dict) -> optax.Gr
         # Same number: DeepSpeed freezes once its step counter (one ahead, for the init call) exceeds it.
         var_freeze_step=params["var_freeze_step"],
         var_update_scaler=params["var_update_scaler"], local_step_scaler=params["local_step_scaler"],
-        local_step_clipper=params["local_step_clipper"], fused=options["fused"], mask_unseen=params["mask_unseen"],
+        local_step_clipper=params["local_step_clipper"], fused=options["fused"],
         **_family_common("ZeroOneAdam", params, options),
     )
 

@@ -41,6 +41,8 @@ Differences from DeepSpeed (fixes of its defects):
   turns the whole fused buffer into NaN);
 * the weight-decay blend of the factor is skipped (ratio 1) when the update norm is zero (DeepSpeed: 0/0);
 * the mask is applied with one rank too;
+* ``mask_unseen`` (default): elements whose frozen variance is exactly 0 keep a zero momentum
+  (``mask_unseen=False`` is DeepSpeed's arithmetic, which divides their 1-bit average by ``eps``);
 * checkpoints keep everything, including the error buffers and the fused buffer's tail (DeepSpeed rebuilds the
   buffer, zeroes the errors, and before ``freeze_step`` also resets the coefficients).
 
@@ -124,6 +126,7 @@ def onebit_lamb(
     axis_name: str | None = "data",
     mpi_comm: Any = None,
     auto_freeze: common.AutoFreeze | None = None,
+    mask_unseen: bool = True,
 ) -> optax.GradientTransformation:
     """1-bit LAMB (Li et al., 2021) with DeepSpeed's semantics (see the module docstring for the stages).
 
@@ -150,11 +153,17 @@ def onebit_lamb(
       mpi_comm: an mpi4py communicator (or :class:`~jonebit.comm.MPIBackend`); the collectives then go through MPI.
       auto_freeze: the rule for ``freeze_step="auto"`` (default ``AutoFreeze()``); decided inside the compiled step,
         identically on every rank, logged once and kept in the state (``freeze_at``).
+      mask_unseen: in the compression stage, elements whose frozen variance is exactly 0 (no gradient reached them
+        during warmup, e.g. embedding rows of tokens not yet seen) keep a zero momentum and get no update but weight
+        decay (default). ``False`` is DeepSpeed's arithmetic: the 1-bit average gives them their chunk's magnitude,
+        which the step divides by ``eps``.
 
     Returns:
       An ``optax.GradientTransformation`` whose ``update(local_grads, state, params)`` expects this rank's local
       gradient and the (replicated) params.
     """
+    if not isinstance(mask_unseen, bool):
+        raise TypeError(f"{_WHO}: mask_unseen must be True or False, got {mask_unseen!r}")
     if bias_correction:
         raise ValueError(
             f"{_WHO}: bias_correction=True is not supported: DeepSpeed's 1-bit LAMB ignores the flag, and its frozen "
@@ -262,6 +271,8 @@ def onebit_lamb(
             else:  # nothing to average (the mean only types the result as replicated)
                 m_avg = backend.mean(m_local)
             m = common.apply_mask(jax.tree.map(jnp.divide, m_avg, scaling), mask)
+            if mask_unseen:  # the frozen variance is 0 exactly where no gradient has ever arrived
+                m = jax.tree.map(lambda m, v: jnp.where(v > 0, m, 0.0), m, state.nu)
             v_fresh = jax.tree.map(
                 lambda f, m, mp: b2 * f + (1.0 - b2) * jnp.square((m - b1 * mp) / (1.0 - b1)),
                 state.nu_fresh, m, m_prev)

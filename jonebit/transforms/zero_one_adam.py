@@ -34,6 +34,8 @@ Differences from DeepSpeed (all fixes of its defects; the arithmetic is otherwis
 * one rank: DeepSpeed leaves the momentum untouched on the non-variance steps of the first phase when ``P = 1``
   (it updates it only inside its ``P > 1`` branch); here the momentum takes the gradient (the exact mean).
 * the mask is applied with ``P = 1`` too (DeepSpeed applies it only after a compressed allreduce).
+* ``mask_unseen`` (default): elements whose variance is exactly 0 take no 1-bit average and keep a zero momentum
+  (``mask_unseen=False`` is DeepSpeed's arithmetic, which divides their average by ``eps``).
 * checkpoints keep everything (errors, ``u``, schedule counters and the phase): DeepSpeed resets the counters
   on load and loses the phase, which after a resume in the local phase updates the frozen variance with local
   gradients.

@@ -612,6 +612,36 @@ def test_zero_one_adam_from_config_equals_direct_zero_one_adam():
     assert not np.allclose(got["w"], off_by_one["w"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["ZeroOneAdam", "OneBitLamb"])
+def test_mask_unseen_from_config_for_the_family(kind):
+    """"mask_unseen": false (DeepSpeed's arithmetic) reaches zero_one_adam / onebit_lamb; the default is true. The
+    leaf "b" never gets a gradient, so the two differ."""
+    # LAMB: weight decay gives the zero leaf a trust ratio, so its frozen coefficient is not 0.
+    params_cfg = {"lr": 1e-2, "var_freeze_step": 2} if kind == "ZeroOneAdam" else \
+        {"lr": 1e-2, "freeze_step": 3, "weight_decay": 0.01}
+    rng = np.random.default_rng(6)
+    params = {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
+    grads = [{k: rng.normal(size=(N_DEV, *s)).astype(np.float32) * (k != "b") for k, s in SHAPES.items()}
+             for _ in range(5)]
+    run = run_per_rank if kind == "ZeroOneAdam" else run_sharded
+    direct = (lambda m: jonebit.zero_one_adam(1e-2, var_freeze_step=2, mask_unseen=m, fused=True)) \
+        if kind == "ZeroOneAdam" \
+        else (lambda m: jonebit.onebit_lamb(1e-2, freeze_step=2, weight_decay=0.01, mask_unseen=m))
+    results = {}
+    for mask_unseen in (None, False):
+        cfg = {"train_batch_size": 8 * N_DEV, "optimizer": {"type": kind, "params": dict(params_cfg)}}
+        if mask_unseen is not None:
+            cfg["optimizer"]["params"]["mask_unseen"] = mask_unseen
+        # fused: the zero leaf shares a 1-bit chunk with the others (alone, its average would be exactly 0)
+        results[mask_unseen], _ = run(build_optimizer(load_config(cfg), fused=True), params, grads)
+    want_default, _ = run(direct(True), params, grads)
+    want_deepspeed, _ = run(direct(False), params, grads)
+    assert_trees_close(results[None], want_default, rtol=0, atol=0)
+    assert_trees_close(results[False], want_deepspeed, rtol=0, atol=0)
+    moved = {k: np.abs(np.asarray(r["b"]).reshape(-1, 3) - params["b"]).max() for k, r in results.items()}
+    assert moved[None] < 1e-2 and moved[False] > 0.1, moved  # weight decay only / the 1-bit average over eps
+
+
 def test_onebit_lamb_from_config_equals_direct_onebit_lamb(caplog):
     """DeepSpeed freeze_step=3 -> onebit_lamb(freeze_step=2); DeepSpeed's ignored params only warn."""
     cfg = {
