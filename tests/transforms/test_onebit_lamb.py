@@ -175,6 +175,7 @@ def test_state_layout_specs_and_zero_shardings():
         (dict(freeze_step=2, factor_min=2.0, factor_max=1.0), ValueError, r"factor_max \(1.0\) must be >= factor_min"),
         (dict(freeze_step=2, factor_threshold=1.5), ValueError, r"factor_threshold must be in \[0, 1\)"),
         (dict(freeze_step=2, bias_correction=True), ValueError, "bias_correction=True is not supported"),
+        (dict(freeze_step=2, mask_unseen="yes"), TypeError, "mask_unseen must be True or False, got 'yes'"),
     ],
 )
 def test_bad_hyperparameters(kwargs, err, match):

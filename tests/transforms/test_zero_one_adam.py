@@ -199,6 +199,7 @@ def test_state_layout_specs_and_zero_shardings():
         (dict(eps=0.0), ValueError, "eps must be > 0"),
         (dict(weight_decay=-1e-2), ValueError, "weight_decay must be >= 0"),
         (dict(bias_correction="yes"), TypeError, "bias_correction must be True or False"),
+        (dict(mask_unseen=1), TypeError, "mask_unseen must be True or False, got 1"),
     ],
 )
 def test_bad_hyperparameters(kwargs, err, match):
