@@ -44,7 +44,7 @@ _BING_LR = 3e-5
 
 def default_config(optimizer: str, batch_size: int, max_steps: int, *, lr: float = _BING_LR,
                    warmup_proportion: float = 0.1, freeze_proportion: float = 0.2,
-                   weight_decay: float = 0.0, row_scales: bool = False) -> dict:
+                   weight_decay: float = 0.0, row_scales: bool = False, preconditioned: bool = False) -> dict:
     """The built-in DeepSpeed config: BingBertSQuAD's hyper-parameters for ``max_steps`` steps.
 
     Args:
@@ -56,6 +56,8 @@ def default_config(optimizer: str, batch_size: int, max_steps: int, *, lr: float
       freeze_proportion: 1-bit Adam: fraction of the steps run as uncompressed Adam before compression.
       weight_decay: decoupled weight decay.
       row_scales: 1-bit Adam: one compression scale per row of each matrix (``onebit_adam(row_scales=True)``).
+      preconditioned: 1-bit Adam: compress the update direction, not the momentum
+        (``onebit_adam(preconditioned=True)``).
     """
     if optimizer not in ("adam", "onebit_adam"):
         raise ValueError(f"--optimizer must be adam or onebit_adam, got {optimizer!r}")
@@ -68,7 +70,8 @@ def default_config(optimizer: str, batch_size: int, max_steps: int, *, lr: float
         freeze = max(1, round(freeze_proportion * max_steps)) + 1
         config["optimizer"] = {"type": "OneBitAdam", "params": {"lr": lr, "weight_decay": weight_decay,
                                                                 "freeze_step": freeze, "bias_correction": True,
-                                                                "row_scales": row_scales}}
+                                                                "row_scales": row_scales,
+                                                                "preconditioned": preconditioned}}
     return config
 
 
@@ -320,6 +323,7 @@ def run(
     freeze_proportion: float = 0.2,
     weight_decay: float = 0.0,
     row_scales: bool = False,
+    preconditioned: bool = False,
     predict_batch_size: int = 64,
     n_best_size: int = 20,
     max_answer_length: int = 30,
@@ -391,7 +395,7 @@ def run(
     if config is None:
         cfg = default_config(optimizer, train_batch, steps, lr=learning_rate or _BING_LR,
                              warmup_proportion=warmup_proportion, freeze_proportion=freeze_proportion,
-                             weight_decay=weight_decay, row_scales=row_scales)
+                             weight_decay=weight_decay, row_scales=row_scales, preconditioned=preconditioned)
     elif "scheduler" not in cfg:
         lr = cfg.get("optimizer", {}).get("params", {}).get("lr", _BING_LR)
         cfg["scheduler"] = bing_schedule(lr, steps, warmup_proportion)
@@ -495,6 +499,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--weight-decay", type=float, default=0.0, help="built-in config's weight decay (default 0)")
     p.add_argument("--row-scales", action="store_true",
                    help="built-in 1-bit Adam: one compression scale per row of each matrix (8%% more bytes)")
+    p.add_argument("--preconditioned", action="store_true",
+                   help="built-in 1-bit Adam: compress the update direction m / (sqrt(v) + eps), not m")
     p.add_argument("--max-train-examples", type=int, help="use the first N training questions")
     p.add_argument("--max-eval-examples", type=int, help="predict the first N questions of --predict-file")
     p.add_argument("--predict-batch-size", type=int, default=64, help="windows per prediction batch (default 64)")
@@ -530,6 +536,7 @@ def main(args) -> int:
             max_train_examples=args.max_train_examples, max_eval_examples=args.max_eval_examples,
             learning_rate=args.learning_rate, warmup_proportion=args.warmup_proportion,
             freeze_proportion=args.freeze_proportion, weight_decay=args.weight_decay, row_scales=args.row_scales,
+            preconditioned=args.preconditioned,
             predict_batch_size=args.predict_batch_size, n_best_size=args.n_best_size,
             max_answer_length=args.max_answer_length, eval_every=args.eval_every,
             checkpoint_every=args.checkpoint_every, data_parallel=args.data_parallel, seed=args.seed,

@@ -95,9 +95,9 @@ class NumpyOneBitAdam:
     """1-bit Adam of the spec for P simulated ranks on a dict of arrays (independent of jonebit)."""
 
     def __init__(self, params, p, *, freeze_step, lr, b1=0.9, b2=0.999, eps=1e-8, wd=0.0, mask=None, fused=True,
-                 row_scales=False):
+                 row_scales=False, preconditioned=False):
         self.p, self.freeze, self.lr, self.b1, self.b2, self.eps, self.wd = p, freeze_step, lr, b1, b2, eps, wd
-        self.mask, self.fused, self.row_scales = mask, fused, row_scales
+        self.mask, self.fused, self.row_scales, self.preconditioned = mask, fused, row_scales, preconditioned
         # row_scales: one scale per row (last axis) of every array of rank >= 2, per-leaf compression only.
         self.rows = {k: (v.shape[-1] if row_scales and np.ndim(v) >= 2 else None) for k, v in params.items()}
         self.keys = sorted(params)
@@ -122,6 +122,11 @@ class NumpyOneBitAdam:
                 self.v[k] = b2 * self.v[k] + (1 - b2) * g[k] * g[k]
         else:
             local_m = [{k: b1 * self.m[k] + (1 - b1) * lg[k] for k in self.keys} for lg in local_grads]
+            if self.preconditioned:  # compress m / (sqrt(v / c2) + eps); elements with v = 0 send 0
+                c2 = np.float32(self.frozen_c2())
+                denom = {k: np.sqrt(self.v[k] / c2) + np.float32(self.eps) for k in self.keys}
+                local_m = [{k: np.where(self.v[k] > 0, lm[k] / denom[k], np.float32(0)) for k in self.keys}
+                           for lm in local_m]
             if self.p > 1:
                 if self.fused:
                     flat = [np.concatenate([lm[k].ravel() for k in self.keys]) for lm in local_m]
@@ -140,6 +145,8 @@ class NumpyOneBitAdam:
                         self.m[k] = out.reshape(self.m[k].shape)
             else:
                 self.m = local_m[0]
+            if self.preconditioned:
+                self.m = {k: self.m[k] * denom[k] for k in self.keys}
             if self.mask is not None:
                 self.m = {k: self.m[k] * self.mask[k] for k in self.keys}
         for k in self.keys:
@@ -147,6 +154,10 @@ class NumpyOneBitAdam:
             self.params[k] = self.params[k] - self.lr * u
         self.count += 1
         return self.params
+
+    def frozen_c2(self):
+        """The variance's bias correction once frozen (none in DeepSpeed's arithmetic)."""
+        return 1.0
 
 
 class NumpyOneBitAdamFull(NumpyOneBitAdam):
@@ -172,6 +183,9 @@ class NumpyOneBitAdamFull(NumpyOneBitAdam):
         norm = np.sqrt(sum(np.sum(grads[k].astype(np.float64) ** 2) for k in self.keys))
         factor = min(1.0, self.clip_norm / norm) if norm > 0 else 1.0
         return {k: (grads[k] * np.float32(factor)).astype(np.float32) for k in self.keys}
+
+    def frozen_c2(self):
+        return self.variance_correction(self.freeze) if self.bias_correction else 1.0
 
     def variance_correction(self, t):
         """``1 - b2^t`` while the variance is estimated, then fixed at its freeze_step value."""

@@ -333,6 +333,7 @@ def onebit_adam(
     auto_freeze: AutoFreeze | None = None,
     mask_unseen: bool = True,
     row_scales: bool = False,
+    preconditioned: bool = False,
 ) -> optax.GradientTransformation:
     r"""1-bit Adam (Tang et al., 2021) with DeepSpeed's semantics.
 
@@ -375,6 +376,12 @@ def onebit_adam(
         tensor's typical magnitude, which its small frozen variance then magnifies). Costs ``32 / row`` more
         bytes (8% at a row of 384 floats). Per-leaf compression only (``fused=False``, a single data axis, ZeRO
         stage 0); leaves of rank 0 or 1 keep one scale.
+      preconditioned: compress the preconditioned momentum ``m / (sqrt(v / c2) + eps)`` (the update direction, with
+        the variance and its correction frozen) and multiply the average back, instead of compressing ``m``. The
+        map is fixed after the freeze, so the error feedback works as before, but the compression error is then
+        relative to the update instead of the momentum: an element whose frozen variance is far below its chunk's
+        (a rare token's embedding) no longer sees the chunk's momentum error divided by its small ``sqrt(v)``.
+        Same bytes. ZeRO stage 0 only.
       bias_correction: apply Adam's bias correction (default). After freeze_step the variance correction stays
         at its freeze_step value. DeepSpeed's 1-bit Adam has none (it ignores its flag): ``False`` reproduces it.
       fused: ``True`` compresses all leaves as one flat buffer (one collective and one worker scale per step,
@@ -469,7 +476,8 @@ def onebit_adam(
         if _is_number(max_grad_norm) and max_grad_norm == 0:
             max_grad_norm = None
     for name, value in (("bias_correction", bias_correction), ("fused", fused), ("error_feedback", error_feedback),
-                        ("mask_unseen", mask_unseen), ("row_scales", row_scales)):
+                        ("mask_unseen", mask_unseen), ("row_scales", row_scales),
+                        ("preconditioned", preconditioned)):
         _check_bool(name, value)
     if nonfinite not in NONFINITE_MODES:
         raise ValueError(f"onebit_adam: nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
@@ -511,6 +519,9 @@ def onebit_adam(
         why = "fused=True" if fused else ("hierarchical compression" if hierarchical else f"zero_stage={zero_stage}")
         raise ValueError(f"onebit_adam: row_scales=True compresses each tensor on its own; it is not available with "
                          f"{why}: use fused=False on a single data axis at ZeRO stage 0, or drop row_scales")
+    if preconditioned and zero_stage:
+        raise ValueError(f"onebit_adam: preconditioned=True is available at ZeRO stage 0 only, got "
+                         f"zero_stage={zero_stage}; use zero_stage=0 or drop preconditioned")
     if zero_stage and mpi_comm is not None:
         raise ValueError("onebit_adam: zero_stage >= 1 runs over a shard_map axis; it is not available with mpi_comm")
     if zero_stage and max_grad_norm is not None:
@@ -686,10 +697,19 @@ def onebit_adam(
         def compression(_):
             mu = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, state.mu, _clip(grads))
             we, se = worker_error, server_error
+            if preconditioned:  # the frozen denominator of the update (the variance's correction frozen too)
+                frozen_at = decision[0] if rule is not None else freeze_step
+                c2 = (1.0 - b2 ** jnp.asarray(frozen_at, jnp.float32)) if bias_correction else jnp.float32(1.0)
+                denom = jax.tree.map(lambda v: jnp.sqrt(v / c2) + eps, state.nu)
+                mu = jax.tree.map(jnp.divide, mu, denom)
+                if mask_unseen:  # nothing reached these elements: keep them out of the scales
+                    mu = jax.tree.map(lambda m, v: jnp.where(v > 0, m, 0.0), mu, state.nu)
             if backend.size > 1:
                 mu, we, se = compress(backend, mu, we, se)
             else:  # one rank has nothing to compress (DeepSpeed skips it too); the mean only fixes the type
                 mu = backend.mean(mu)
+            if preconditioned:
+                mu = jax.tree.map(jnp.multiply, mu, denom)
             if mask is not None:
                 leaves, treedef = jax.tree.flatten(mu)
                 mu = treedef.unflatten([m if k is None else m * jnp.asarray(k, jnp.float32)

@@ -221,6 +221,8 @@ BAD = [
      r"expected true or false, got 'no' \(str\)"),
     (edit(ONEBIT, "optimizer.params.row_scales", 1), "optimizer.params.row_scales",
      r"expected true or false, got 1 \(int\)"),
+    (edit(ZERO_ONE, "optimizer.params.preconditioned", True), "optimizer.params.preconditioned",
+     r"unknown key in .optimizer\.params.\. Known keys: amsgrad"),
     (edit(AUTO1, "optimizer.params.auto_freeze", {"statistic": "mean"}), "optimizer.params.auto_freeze.statistic",
      r"must be one of 'median', 'max', 'global', got 'mean'"),
     (edit(AUTO1, "optimizer.params.auto_freeze", {"min_step": 50, "max_step": 10}),

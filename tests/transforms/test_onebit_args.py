@@ -43,6 +43,8 @@ CONSTRUCTION = [
     (dict(error_feedback="no"), TypeError, r"error_feedback must be True or False, got str 'no'"),
     (dict(mask_unseen=0), TypeError, r"mask_unseen must be True or False, got int 0"),
     (dict(row_scales="rows"), TypeError, r"row_scales must be True or False, got str 'rows'"),
+    (dict(preconditioned=None), TypeError, r"preconditioned must be True or False, got NoneType"),
+    (dict(preconditioned=True, zero_stage=2), ValueError, r"preconditioned=True is available at ZeRO stage 0 only"),
     (dict(row_scales=True, fused=True), ValueError, r"row_scales=True .* not available with fused=True"),
     (dict(row_scales=True, fused=False, zero_stage=1), ValueError,
      r"row_scales=True .* not available with zero_stage=1"),
