@@ -55,6 +55,14 @@ VARIANTS = {  # name -> (optimizer type, bias_correction, fused[, auto_freeze ru
     "onebit_auto": ("OneBitAdam", True, False, {}),
     "onebit_auto_tuned": ("OneBitAdam", True, False, AUTO_TUNED),
     "onebit_auto_strict": ("OneBitAdam", True, False, AUTO_STRICT),
+    "onebit_row_scales": ("OneBitAdam", True, False),
+    "onebit_preconditioned": ("OneBitAdam", True, False),
+    "onebit_preconditioned_rows": ("OneBitAdam", True, False),
+}
+EXTRA = {  # name -> further jonebit-only optimizer params
+    "onebit_row_scales": {"row_scales": True},
+    "onebit_preconditioned": {"preconditioned": True},
+    "onebit_preconditioned_rows": {"preconditioned": True, "row_scales": True},
 }
 DEFAULT_VARIANTS = ["adam", "onebit_deepspeed", "onebit_bias_fused", "onebit_default"]
 
@@ -95,6 +103,7 @@ def main(argv=None) -> int:
         if kind == "OneBitAdam":
             cfg["optimizer"]["params"]["bias_correction"] = bias
             cfg["optimizer"]["params"]["freeze_step"] = max(2, int(args.steps * args.freeze)) + 1  # DeepSpeed's
+            cfg["optimizer"]["params"].update(EXTRA.get(name, {}))
             if auto:
                 cfg["optimizer"]["params"]["freeze_step"] = "auto"
                 if auto[0]:
