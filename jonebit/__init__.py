@@ -5,7 +5,13 @@
 """
 
 from jonebit.transforms.common import AutoFreeze
-from jonebit.transforms.onebit_adam import OneBitAdamState, onebit_adam, sharded_init, state_specs
+from jonebit.transforms.onebit_adam import (
+    OneBitAdamState,
+    adam_ratio_bound,
+    onebit_adam,
+    sharded_init,
+    state_specs,
+)
 from jonebit.transforms.onebit_lamb import OneBitLambState, onebit_lamb
 from jonebit.transforms.zero_one_adam import ZeroOneAdamState, zero_one_adam
 
@@ -16,6 +22,7 @@ __all__ = [
     "OneBitAdamState",
     "OneBitLambState",
     "ZeroOneAdamState",
+    "adam_ratio_bound",
     "onebit_adam",
     "onebit_lamb",
     "sharded_init",

@@ -173,11 +173,12 @@ class NumpyOneBitAdamFull(NumpyOneBitAdam):
     """
 
     def __init__(self, params, p, *, freeze_step, schedule=None, bias_correction=False, clip_norm=None,
-                 clip_averaged_warmup=False, **kwargs):
+                 clip_averaged_warmup=False, clip_ratio=None, **kwargs):
         super().__init__(params, p, freeze_step=freeze_step, **kwargs)
         self.schedule = schedule if schedule is not None else (lambda count: kwargs["lr"])
         self.bias_correction, self.clip_norm = bias_correction, clip_norm
         self.clip_averaged_warmup = clip_averaged_warmup
+        self.clip_ratio = clip_ratio  # bound on (m / c1) / (sqrt(v / c2) + eps) after the freeze
 
     def clip(self, grads):
         norm = np.sqrt(sum(np.sum(grads[k].astype(np.float64) ** 2) for k in self.keys))
@@ -209,7 +210,10 @@ class NumpyOneBitAdamFull(NumpyOneBitAdam):
         c2 = self.variance_correction(t) if self.bias_correction else 1.0
         lr_t = float(self.schedule(count))
         for k in self.keys:
-            u = (self.m[k] / c1) / (np.sqrt(self.v[k] / c2) + self.eps) + self.wd * before[k]
+            ratio = (self.m[k] / c1) / (np.sqrt(self.v[k] / c2) + self.eps)
+            if self.clip_ratio is not None and count >= self.freeze:
+                ratio = np.clip(ratio, -self.clip_ratio, self.clip_ratio)
+            u = ratio + self.wd * before[k]
             self.params[k] = (before[k] - lr_t * u).astype(np.float32)
         return self.params
 

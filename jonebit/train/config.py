@@ -293,6 +293,7 @@ _ONEBIT_ADAM_PARAMS = {
     "mask_unseen": Param(_bool, True),  # jonebit only: false is DeepSpeed's arithmetic for never-seen elements
     "row_scales": Param(_bool, False),  # jonebit only: one compression scale per row of each matrix
     "preconditioned": Param(_bool, False),  # jonebit only: compress m / (sqrt(v) + eps) instead of m
+    "clip_ratio": Param(_pos_float, None),  # jonebit only: bound on |m| / sqrt(v) after the freeze
     "betas": _BETAS,
     "eps": Param(_pos_float, 1e-8),
     "weight_decay": Param(_nonneg_float, 0.0),
@@ -307,7 +308,7 @@ _ONEBIT_ADAM_PARAMS = {
 # DeepSpeed's ZeroOneAdam and OnebitLamb take 1-bit Adam's common params (bias_correction is accepted and ignored by
 # both, so it defaults to false here) plus their schedules.
 _ONEBIT_COMMON = {k: v for k, v in _ONEBIT_ADAM_PARAMS.items()
-                  if k not in ("freeze_step", "auto_freeze", "row_scales", "preconditioned")} | {
+                  if k not in ("freeze_step", "auto_freeze", "row_scales", "preconditioned", "clip_ratio")} | {
     "bias_correction": Param(_bool, False),
 }
 _ZERO_ONE_ADAM_PARAMS = _ONEBIT_COMMON | {
@@ -1058,7 +1059,7 @@ def _build_onebit_adam(params: dict, learning_rate, options: dict) -> optax.Grad
         **_freeze_kwargs(params),
         b1=b1, b2=b2, eps=params["eps"], weight_decay=params["weight_decay"],
         bias_correction=params["bias_correction"], mask_unseen=params["mask_unseen"],
-        row_scales=params["row_scales"], preconditioned=params["preconditioned"],
+        row_scales=params["row_scales"], preconditioned=params["preconditioned"], clip_ratio=params["clip_ratio"],
         exp_avg_mask=options.get("exp_avg_mask"),
         fused=options["fused"],
         max_grad_norm=options.get("max_grad_norm"),

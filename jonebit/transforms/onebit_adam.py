@@ -334,6 +334,7 @@ def onebit_adam(
     mask_unseen: bool = True,
     row_scales: bool = False,
     preconditioned: bool = False,
+    clip_ratio: float | None = None,
 ) -> optax.GradientTransformation:
     r"""1-bit Adam (Tang et al., 2021) with DeepSpeed's semantics.
 
@@ -382,6 +383,11 @@ def onebit_adam(
         relative to the update instead of the momentum: an element whose frozen variance is far below its chunk's
         (a rare token's embedding) no longer sees the chunk's momentum error divided by its small ``sqrt(v)``.
         Same bytes. ZeRO stage 0 only.
+      clip_ratio: in the compression stage, clip each element's ``(m / c1) / (sqrt(v / c2) + eps)`` to
+        ``[-clip_ratio, clip_ratio]`` before weight decay. Adam's own ratio never exceeds
+        ``(1 - b1) / sqrt((1 - b2) (1 - b1^2 / b2))`` (:func:`adam_ratio_bound`, 7.27 for the default betas), but with
+        the variance frozen it is unbounded: an element whose variance was tiny at the freeze (a rare token's
+        embedding) takes a huge step when its gradient returns. ``None`` (default): no clipping. ZeRO stage 0.
       bias_correction: apply Adam's bias correction (default). After freeze_step the variance correction stays
         at its freeze_step value. DeepSpeed's 1-bit Adam has none (it ignores its flag): ``False`` reproduces it.
       fused: ``True`` compresses all leaves as one flat buffer (one collective and one worker scale per step,
@@ -519,6 +525,10 @@ def onebit_adam(
         why = "fused=True" if fused else ("hierarchical compression" if hierarchical else f"zero_stage={zero_stage}")
         raise ValueError(f"onebit_adam: row_scales=True compresses each tensor on its own; it is not available with "
                          f"{why}: use fused=False on a single data axis at ZeRO stage 0, or drop row_scales")
+    if clip_ratio is not None:
+        _check_scalar("clip_ratio", clip_ratio, low=0.0, open_low=True)
+        if zero_stage:
+            raise ValueError(f"onebit_adam: clip_ratio is available at ZeRO stage 0 only, got zero_stage={zero_stage}")
     if preconditioned and zero_stage:
         raise ValueError(f"onebit_adam: preconditioned=True is available at ZeRO stage 0 only, got "
                          f"zero_stage={zero_stage}; use zero_stage=0 or drop preconditioned")
@@ -742,6 +752,8 @@ def onebit_adam(
 
         def direction(m, v, p):
             u = (m / c1) / (jnp.sqrt(v / c2) + eps)
+            if clip_ratio is not None:  # compression stage only: warmup is Adam, whose ratio is bounded already
+                u = jnp.where(index == 0, jnp.clip(u, -clip_ratio, clip_ratio), u)
             if decays:
                 u = u + weight_decay * p.astype(jnp.float32)
             return u
@@ -764,6 +776,15 @@ def onebit_adam(
 
         return optax.GradientTransformation(checked_zero_init, zero_update_fn)
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def adam_ratio_bound(b1: float = 0.9, b2: float = 0.999) -> float:
+    """The largest ``|m| / sqrt(v)`` Adam's moment EMAs can reach (``b1^2 < b2``), by Cauchy-Schwarz over the
+    gradient history: ``(1 - b1) / sqrt((1 - b2) (1 - b1^2 / b2))``; 7.27 for the default betas. A value for
+    ``onebit_adam(clip_ratio=...)``."""
+    if not b1 * b1 < b2:
+        raise ValueError(f"adam_ratio_bound needs b1^2 < b2, got b1={b1}, b2={b2}")
+    return (1.0 - b1) / math.sqrt((1.0 - b2) * (1.0 - b1 * b1 / b2))
 
 
 def is_onebit_state(x) -> bool:

@@ -93,6 +93,36 @@ def test_preconditioned_compression_matches_reference(fused, row_scales):
             assert max(np.abs(got[k] - other[k]).max() for k in want) > 1e-4
 
 
+def test_clip_ratio_bounds_the_compression_stage_step():
+    """clip_ratio clips (m / c1) / (sqrt(v / c2) + eps) after the freeze only; gradients 30x larger after the freeze
+    push the frozen-variance ratio far past the bound, which the reference and the library then cut alike."""
+    p, freeze, bound = 4, 3, jonebit.adam_ratio_bound(0.9, 0.999)
+    assert bound == pytest.approx(7.2703, abs=1e-3)
+    params0 = make_params(np.random.default_rng(5))
+    tx = onebit_adam(1e-2, freeze_step=freeze, weight_decay=0.01, fused=False, clip_ratio=bound)
+    ref = NumpyOneBitAdamFull(params0, p, freeze_step=freeze, lr=1e-2, wd=0.01, fused=False, bias_correction=True,
+                              clip_ratio=bound)
+    free = NumpyOneBitAdamFull(params0, p, freeze_step=freeze, lr=1e-2, wd=0.01, fused=False, bias_correction=True)
+    rng = np.random.default_rng(7)
+    mesh = mesh_of(p)
+    state, specs = sharded_init(tx, params0, mesh)
+    step, put = stepper(tx, mesh, specs)
+    params = jax.device_put(params0, jax.NamedSharding(mesh, P()))
+    for t in range(7):
+        scale = 1.0 if t < freeze else 30.0
+        grads = [{k: (scale * rng.standard_normal(v.shape)).astype(np.float32) for k, v in params0.items()}
+                 for _ in range(p)]
+        before = dict(ref.params)
+        params, state = step(params, state, put({k: np.stack([g[k] for g in grads]) for k in params0}))
+        want, other = ref.step(grads), free.step(grads)
+        for k in want:
+            np.testing.assert_allclose(np.asarray(params[k]), want[k], rtol=2e-5, atol=2e-6, err_msg=f"{t} {k}")
+            # No element moves more than lr (bound + wd |p|) after the freeze.
+            if t >= freeze:
+                assert np.all(np.abs(want[k] - before[k]) <= 1e-2 * (bound + 0.01 * np.abs(before[k])) * 1.0001)
+    assert max(np.abs(other[k] - want[k]).max() for k in want) > 1e-2  # unclipped, the steps are larger
+
+
 @pytest.mark.parametrize("p", [2, 4])
 def test_row_scales_match_numpy_reference_through_freeze(p):
     history = run_both(p, steps=7, freeze_step=2, fused=False, wd=0.01, row_scales=True)

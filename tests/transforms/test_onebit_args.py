@@ -44,6 +44,8 @@ CONSTRUCTION = [
     (dict(mask_unseen=0), TypeError, r"mask_unseen must be True or False, got int 0"),
     (dict(row_scales="rows"), TypeError, r"row_scales must be True or False, got str 'rows'"),
     (dict(preconditioned=None), TypeError, r"preconditioned must be True or False, got NoneType"),
+    (dict(clip_ratio=0.0), ValueError, r"clip_ratio must be > 0, got 0.0"),
+    (dict(clip_ratio="adam"), TypeError, r"clip_ratio must be a number"),
     (dict(preconditioned=True, zero_stage=2), ValueError, r"preconditioned=True is available at ZeRO stage 0 only"),
     (dict(row_scales=True, fused=True), ValueError, r"row_scales=True .* not available with fused=True"),
     (dict(row_scales=True, fused=False, zero_stage=1), ValueError,
