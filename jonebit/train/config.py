@@ -179,6 +179,11 @@ def _pos_float(v, k):
     return _float(v, k, positive=True)
 
 
+def _opt_pos_float(v, k):
+    """A number > 0, or null (off)."""
+    return None if v is None else _pos_float(v, k)
+
+
 def _pos_int(v, k):
     return _int(v, k, minimum=1)
 
@@ -293,7 +298,7 @@ _ONEBIT_ADAM_PARAMS = {
     "mask_unseen": Param(_bool, True),  # jonebit only: false is DeepSpeed's arithmetic for never-seen elements
     "row_scales": Param(_bool, False),  # jonebit only: one compression scale per row of each matrix
     "preconditioned": Param(_bool, False),  # jonebit only: compress m / (sqrt(v) + eps) instead of m
-    "clip_ratio": Param(_pos_float, None),  # jonebit only: bound on |m| / sqrt(v) after the freeze
+    "clip_ratio": Param(_opt_pos_float, None),  # jonebit only: bound on |m| / sqrt(v) after the freeze
     "betas": _BETAS,
     "eps": Param(_pos_float, 1e-8),
     "weight_decay": Param(_nonneg_float, 0.0),
