@@ -253,6 +253,14 @@ def apply_mask(tree, mask):
                               for x, m in zip(leaves, mask, strict=True)])
 
 
+def where_seen(tree, variance, other=None):
+    """``tree`` where the variance is > 0, else 0 (or ``other``'s value): the ``mask_unseen`` rule of the 1-bit
+    optimizers (a variance of exactly 0 means no gradient has reached the element)."""
+    if other is None:
+        return jax.tree.map(lambda x, v: jnp.where(v > 0, x, 0.0), tree, variance)
+    return jax.tree.map(lambda x, v, o: jnp.where(v > 0, x, o), tree, variance, other)
+
+
 def learning_rate_at(learning_rate: ScalarOrSchedule, count) -> Any:
     return learning_rate(count) if callable(learning_rate) else learning_rate
 

@@ -72,7 +72,7 @@ from jonebit.comm.hierarchical import (
     hierarchical_allreduce_rows_many,
 )
 from jonebit.sharding.zero import _per_rank_rule, register_per_rank_state
-from jonebit.transforms.common import AutoFreeze, auto_freeze_step, mask_leaves, normalise_mask
+from jonebit.transforms.common import AutoFreeze, auto_freeze_step, mask_leaves, normalise_mask, where_seen
 from jonebit.transforms.onebit_zero import (
     ZERO_STAGES,
     FlatLayout,
@@ -708,12 +708,12 @@ def onebit_adam(
             mu = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, state.mu, _clip(grads))
             we, se = worker_error, server_error
             if preconditioned:  # the frozen denominator of the update (the variance's correction frozen too)
-                frozen_at = decision[0] if rule is not None else freeze_step
-                c2 = (1.0 - b2 ** jnp.asarray(frozen_at, jnp.float32)) if bias_correction else jnp.float32(1.0)
+                _, c2, _ = step_scalars(count, b1=b1, b2=b2, freeze_step=limit, bias_correction=bias_correction,
+                                        learning_rate=learning_rate)
                 denom = jax.tree.map(lambda v: jnp.sqrt(v / c2) + eps, state.nu)
                 mu = jax.tree.map(jnp.divide, mu, denom)
                 if mask_unseen:  # nothing reached these elements: keep them out of the scales
-                    mu = jax.tree.map(lambda m, v: jnp.where(v > 0, m, 0.0), mu, state.nu)
+                    mu = where_seen(mu, state.nu)
             if backend.size > 1:
                 mu, we, se = compress(backend, mu, we, se)
             else:  # one rank has nothing to compress (DeepSpeed skips it too); the mean only fixes the type
@@ -725,7 +725,7 @@ def onebit_adam(
                 mu = treedef.unflatten([m if k is None else m * jnp.asarray(k, jnp.float32)
                                         for m, k in zip(leaves, mask, strict=True)])
             if mask_unseen:  # the frozen variance is 0 exactly where no gradient has ever arrived
-                mu = jax.tree.map(lambda m, v: jnp.where(v > 0, m, 0.0), mu, state.nu)
+                mu = where_seen(mu, state.nu)
             return (mu, state.nu, we, se, *decision)
 
         def _clip(g):

@@ -272,7 +272,7 @@ def onebit_lamb(
                 m_avg = backend.mean(m_local)
             m = common.apply_mask(jax.tree.map(jnp.divide, m_avg, scaling), mask)
             if mask_unseen:  # the frozen variance is 0 exactly where no gradient has ever arrived
-                m = jax.tree.map(lambda m, v: jnp.where(v > 0, m, 0.0), m, state.nu)
+                m = common.where_seen(m, state.nu)
             v_fresh = jax.tree.map(
                 lambda f, m, mp: b2 * f + (1.0 - b2) * jnp.square((m - b1 * mp) / (1.0 - b1)),
                 state.nu_fresh, m, m_prev)

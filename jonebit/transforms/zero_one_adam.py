@@ -225,11 +225,7 @@ def zero_one_adam(
 
         def seen(tree, v, other=None):
             """``tree`` where the variance is > 0; elsewhere 0 (or ``other``): see ``mask_unseen``."""
-            if not mask_unseen:
-                return tree
-            if other is None:
-                return jax.tree.map(lambda x, v: jnp.where(v > 0, x, 0.0), tree, v)
-            return jax.tree.map(lambda x, v, o: jnp.where(v > 0, x, o), tree, v, other)
+            return common.where_seen(tree, v, other) if mask_unseen else tree
 
         def compress(tree, we, se):
             if backend.size == 1:  # nothing to average (DeepSpeed skips the call too)
