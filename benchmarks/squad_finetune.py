@@ -86,6 +86,8 @@ def main() -> None:
     p.add_argument("--row-scales", action="store_true", help="1-bit Adam: one compression scale per matrix row")
     p.add_argument("--preconditioned", action="store_true", help="1-bit Adam: compress m / (sqrt(v) + eps)")
     p.add_argument("--clip-ratio", type=float, help="1-bit Adam: bound on |m| / sqrt(v) after the freeze")
+    p.add_argument("--variance-refresh", type=int, metavar="K",
+                   help="1-bit Adam: every K-th update after the freeze is exact and refreshes the variance")
     p.add_argument("--data-parallel", type=int, help="ranks (default: every device)")
     p.add_argument("--optimizers", nargs="+", default=["adam", "onebit_adam"], choices=["adam", "onebit_adam"])
     p.add_argument("--seed", type=int, default=0)
@@ -105,7 +107,8 @@ def main() -> None:
                      max_train_examples=args.train_examples or None, max_eval_examples=args.eval_examples or None,
                      learning_rate=args.learning_rate, freeze_proportion=args.freeze_proportion,
                      row_scales=args.row_scales, preconditioned=args.preconditioned, clip_ratio=args.clip_ratio,
-                     data_parallel=args.data_parallel, seed=args.seed, progress=False)
+                     variance_refresh=args.variance_refresh, data_parallel=args.data_parallel, seed=args.seed,
+                     progress=False)
         rows.append(summarize(name, result))
     import jax
 

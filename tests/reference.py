@@ -95,8 +95,11 @@ class NumpyOneBitAdam:
     """1-bit Adam of the spec for P simulated ranks on a dict of arrays (independent of jonebit)."""
 
     def __init__(self, params, p, *, freeze_step, lr, b1=0.9, b2=0.999, eps=1e-8, wd=0.0, mask=None, fused=True,
-                 row_scales=False, preconditioned=False):
+                 row_scales=False, preconditioned=False, refresh=None):
         self.p, self.freeze, self.lr, self.b1, self.b2, self.eps, self.wd = p, freeze_step, lr, b1, b2, eps, wd
+        # refresh=K: every K-th update after the freeze is an exact step on the mean gradient whose square enters
+        # the variance with weight 1 - b2^K.
+        self.refresh = refresh
         self.mask, self.fused, self.row_scales, self.preconditioned = mask, fused, row_scales, preconditioned
         # row_scales: one scale per row (last axis) of every array of rank >= 2, per-leaf compression only.
         self.rows = {k: (v.shape[-1] if row_scales and np.ndim(v) >= 2 else None) for k, v in params.items()}
@@ -115,11 +118,14 @@ class NumpyOneBitAdam:
     def step(self, local_grads):
         """local_grads: list over ranks of dicts. Returns the new params."""
         b1, b2 = self.b1, self.b2
-        if self.count < self.freeze:
+        refreshing = (self.refresh is not None and self.count >= self.freeze
+                      and (self.count + 1 - self.freeze) % self.refresh == 0)
+        if self.count < self.freeze or refreshing:
             g = {k: np.mean([lg[k] for lg in local_grads], axis=0, dtype=np.float32) for k in self.keys}
+            w = np.float32(b2 ** self.refresh if refreshing else b2)
             for k in self.keys:
                 self.m[k] = b1 * self.m[k] + (1 - b1) * g[k]
-                self.v[k] = b2 * self.v[k] + (1 - b2) * g[k] * g[k]
+                self.v[k] = w * self.v[k] + (1 - w) * g[k] * g[k]
         else:
             local_m = [{k: b1 * self.m[k] + (1 - b1) * lg[k] for k in self.keys} for lg in local_grads]
             if self.preconditioned:  # compress m / (sqrt(v / c2) + eps); elements with v = 0 send 0
@@ -186,10 +192,14 @@ class NumpyOneBitAdamFull(NumpyOneBitAdam):
         return {k: (grads[k] * np.float32(factor)).astype(np.float32) for k in self.keys}
 
     def frozen_c2(self):
-        return self.variance_correction(self.freeze) if self.bias_correction else 1.0
+        """The variance's correction during the compression update that follows ``self.count`` updates."""
+        return self.variance_correction(self.count + 1) if self.bias_correction else 1.0
 
     def variance_correction(self, t):
-        """``1 - b2^t`` while the variance is estimated, then fixed at its freeze_step value."""
+        """``1 - b2^t`` while the variance is estimated, then fixed at its freeze_step value (with ``refresh=K``:
+        at the latest refresh, ``freeze + K floor((t - freeze) / K)``)."""
+        if self.refresh is not None and t > self.freeze:
+            return 1.0 - self.b2 ** (self.freeze + self.refresh * ((t - self.freeze) // self.refresh))
         return 1.0 - self.b2 ** min(t, self.freeze)
 
     def step(self, local_grads):
@@ -211,7 +221,7 @@ class NumpyOneBitAdamFull(NumpyOneBitAdam):
         lr_t = float(self.schedule(count))
         for k in self.keys:
             ratio = (self.m[k] / c1) / (np.sqrt(self.v[k] / c2) + self.eps)
-            if self.clip_ratio is not None and count >= self.freeze:
+            if self.clip_ratio is not None and count >= self.freeze:  # refresh updates too
                 ratio = np.clip(ratio, -self.clip_ratio, self.clip_ratio)
             u = ratio + self.wd * before[k]
             self.params[k] = (before[k] - lr_t * u).astype(np.float32)

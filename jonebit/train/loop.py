@@ -160,6 +160,8 @@ class LoopConfig:
       tensorboard: write TensorBoard event files.
       freeze_step: the 1-bit optimizer's ``freeze_step`` (names the stage in the metrics); ``"auto"`` when the
         optimizer decides it (the stage is then read from the optimizer state's ``freeze_at``); ``None`` for others.
+      variance_refresh: 1-bit Adam's ``variance_refresh`` K: every K-th update after the freeze is named
+        ``"refresh"`` (a float32 allreduce) instead of ``"compression"``.
       tokens_per_example: multiplies examples/s into ``tokens_per_s`` (e.g. the sequence length).
       eval_every: steps between calls of ``train``'s ``evaluate`` (0: only at the end when one is given); their
         results go into that step's metrics record as ``eval/<name>``.
@@ -178,6 +180,7 @@ class LoopConfig:
     freeze_step: int | str | None = None
     tokens_per_example: int = 1
     eval_every: int = 0
+    variance_refresh: int | None = None
 
     def __post_init__(self):
         for name, low in (("max_steps", 1), ("checkpoint_every", 0), ("keep_checkpoints", 1), ("log_every", 1),
@@ -188,6 +191,9 @@ class LoopConfig:
         if self.freeze_step is not None and self.freeze_step != "auto" and (isinstance(self.freeze_step, bool) or not
                 isinstance(self.freeze_step, int | np.integer) or self.freeze_step < 1):
             raise ValueError(f"LoopConfig.freeze_step must be an int >= 1, \"auto\" or None, got {self.freeze_step!r}")
+        if self.variance_refresh is not None and (isinstance(self.variance_refresh, bool) or not isinstance(
+                self.variance_refresh, int | np.integer) or self.variance_refresh < 1):
+            raise ValueError(f"LoopConfig.variance_refresh must be an int >= 1 or None, got {self.variance_refresh!r}")
         if self.nonfinite not in ("skip", "raise"):
             raise ValueError(f"LoopConfig.nonfinite must be 'skip' or 'raise', got {self.nonfinite!r}")
         for name in ("async_checkpoint", "progress_bar", "tensorboard"):
@@ -288,6 +294,8 @@ def _stage_bytes(step, state: TrainState, batch) -> dict[str, float]:
         if tx_report.branches:
             out["warmup"] = base + tx_report.branch_bytes(1)
             out["compression"] = base + tx_report.branch_bytes(0)
+            if len(tx_report.branches[0]) > 3:  # onebit_adam(variance_refresh=K): the refresh branch
+                out["refresh"] = base + tx_report.branch_bytes(3)
         out["full"] = base + tx_report.always_bytes
     return out
 
@@ -500,6 +508,9 @@ def _record(n, state, metrics, config, lr_schedule, stage_bytes, examples_per_s,
     else:
         freeze = config.freeze_step if config.freeze_step != "auto" else decided_freeze_step(state.opt_state)
         stage = "warmup" if freeze is None or count < freeze else "compression"
+        k = config.variance_refresh
+        if stage == "compression" and k is not None and (count + 1 - freeze) % k == 0:
+            stage = "refresh"
     if callable(lr_schedule):
         lr = float(lr_schedule(count))
     else:

@@ -222,6 +222,8 @@ BAD = [
     (edit(ONEBIT, "optimizer.params.row_scales", 1), "optimizer.params.row_scales",
      r"expected true or false, got 1 \(int\)"),
     (edit(ONEBIT, "optimizer.params.clip_ratio", 0), "optimizer.params.clip_ratio", r"expected a number > 0, got 0"),
+    (edit(ONEBIT, "optimizer.params.variance_refresh", 0), "optimizer.params.variance_refresh", r">= 1"),
+    (edit(ONEBIT, "optimizer.params.variance_refresh", 2.5), "optimizer.params.variance_refresh", r"integer"),
     (edit(ZERO_ONE, "optimizer.params.preconditioned", True), "optimizer.params.preconditioned",
      r"unknown key in .optimizer\.params.\. Known keys: amsgrad"),
     (edit(AUTO1, "optimizer.params.auto_freeze", {"statistic": "mean"}), "optimizer.params.auto_freeze.statistic",

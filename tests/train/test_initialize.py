@@ -284,3 +284,28 @@ def test_freeze_step_auto_engine_reports_the_stage_from_the_state(tmp_path):
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if x.strip()]
     # The record of step n is the update after n - 1 updates.
     assert [r["stage"] for r in records] == ["warmup"] * decided + ["compression"] * (8 - decided)
+
+
+def test_variance_refresh_config_trains_like_the_reference_and_names_the_refresh_steps(tmp_path):
+    """"variance_refresh": K in a OneBitAdam config: the engine equals the numpy reference (every K-th update after
+    the freeze exact, the variance refreshed), and its loop names those steps "refresh" with the warmup's bytes."""
+    p = len(jax.devices())
+    cfg = {"train_batch_size": 16, "steps_per_print": 1,
+           "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-2, "freeze_step": 3, "weight_decay": 0.01,
+                                                          "variance_refresh": 3, "preconditioned": True}}}
+    engine = initialize(cfg, loss_fn, _params())
+    assert engine.freeze_step == 2 and engine.variance_refresh == 3
+    params0 = {k: np.asarray(v) for k, v in _params().items()}
+    ref = NumpyOneBitAdamFull(params0, p, freeze_step=2, lr=1e-2, wd=0.01, bias_correction=True, fused=False,
+                              refresh=3, preconditioned=True)
+    _engine_against(engine, ref, steps=6)
+
+    engine = initialize(cfg, loss_fn, _params())
+    loop = engine.loop_config(tmp_path, max_steps=9, progress_bar=False, tensorboard=False, checkpoint_every=0)
+    engine.train(_Repeat(_batch(16, 0)), loop)
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    # Updates 0-1 warmup; then every third update counted from the freeze (counts 4 and 7) refreshes.
+    assert [r["stage"] for r in records] == ["warmup"] * 2 + ["compression", "compression", "refresh"] * 2 + [
+        "compression"]
+    sent = {r["stage"]: r["bytes_sent"] for r in records}
+    assert sent["refresh"] == sent["warmup"] > sent["compression"] > 0

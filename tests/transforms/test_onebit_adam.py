@@ -473,3 +473,44 @@ def test_row_scales_bytes_from_the_compiled_step():
     assert report.branch_bytes(0) == pytest.approx(want)
     # 100 rows of 64 signs (8 bytes) and a 4-byte scale each: 1.5x the signs alone.
     assert row_compressed_bytes_per_rank(100 * 64, p, 64) == 2 * (p - 1) * (100 // p) * (8 + 4)
+
+
+@pytest.mark.parametrize("fused,preconditioned,clip", [(True, False, None), (False, True, 2.0)])
+def test_variance_refresh_matches_reference(fused, preconditioned, clip):
+    """variance_refresh=K: every K-th compression update is an exact step on the mean gradient that refreshes the
+    variance with weight 1 - b2^K and advances its bias correction; against the numpy reference, which must also
+    differ from the frozen variance."""
+    p, freeze, k = 4, 3, 2
+    params0 = make_params(np.random.default_rng(5))
+    sched = optax.linear_schedule(1e-2, 1e-3, 10)
+    kw = dict(freeze_step=freeze, fused=fused, preconditioned=preconditioned, clip_ratio=clip)
+    tx = onebit_adam(sched, bias_correction=True, weight_decay=0.01, variance_refresh=k, **kw)
+    common = dict(lr=None, wd=0.01, schedule=lambda c: float(sched(c)), bias_correction=True, **kw)
+    ref = NumpyOneBitAdamFull(params0, p, refresh=k, **common)
+    frozen = NumpyOneBitAdamFull(params0, p, **common)
+    for t, grads, got, want in run_against(tx, ref, p, steps=10, seed=6):
+        other = frozen.step(grads)
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=2e-5, atol=2e-6, err_msg=f"step {t} leaf {name}")
+        if t >= freeze + k - 1:  # the first refresh is update freeze + k
+            assert max(np.abs(got[n] - other[n]).max() for n in want) > 1e-4
+
+
+def test_variance_refresh_every_update_on_one_rank_is_adam():
+    """With one rank nothing is compressed; refreshing every update (K = 1) is then optax.adam exactly."""
+    params0 = make_params(np.random.default_rng(1))
+    tx = onebit_adam(1e-2, freeze_step=2, variance_refresh=1)
+    adam = optax.adam(1e-2)
+    state, specs = sharded_init(tx, params0, mesh_of(1))
+    step, put = stepper(tx, mesh_of(1), specs)
+    params = jax.device_put(params0, jax.NamedSharding(mesh_of(1), P()))
+    want, adam_state = params0, adam.init(params0)
+    rng = np.random.default_rng(2)
+    for _ in range(8):
+        grads = {k: (rng.standard_normal(v.shape) * rng.uniform(0.1, 3.0)).astype(np.float32)
+                 for k, v in params0.items()}
+        params, state = step(params, state, put({k: g[None] for k, g in grads.items()}))
+        updates, adam_state = adam.update(grads, adam_state, want)
+        want = optax.apply_updates(want, updates)
+        for k in want:
+            np.testing.assert_allclose(np.asarray(params[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-7)

@@ -238,3 +238,26 @@ def test_converges_like_flat_compression(hosts, fused):
     assert hier < 0.05 * start  # it trains
     assert hier <= 1.02 * flat, (hier, flat)
     assert abs(hier - flat) <= 0.05 * flat, (hier, flat)  # and it is the same method, not a different optimum
+
+
+def test_variance_refresh_every_update_is_adam_on_the_mean_over_both_axes():
+    """variance_refresh=1 makes every update after the freeze an exact one; on a hosts x local mesh that is Adam
+    on the gradient averaged over both axes (optax.adam, bias-corrected), compression notwithstanding."""
+    hosts, local = 2, 4
+    rng = np.random.default_rng(3)
+    params0 = make_params(rng)
+    mesh = mesh_of(hosts, local)
+    tx = onebit_adam(1e-2, freeze_step=2, axis_name=AXES, variance_refresh=1)
+    state, specs = sharded_init(tx, params0, mesh, AXES)
+    step, put = stepper(tx, mesh, specs)
+    params = jax.device_put(params0, jax.NamedSharding(mesh, P()))
+    adam = optax.adam(1e-2)
+    want, adam_state = params0, adam.init(params0)
+    for _ in range(6):
+        grads = {k: rng.standard_normal((hosts * local, *v.shape)).astype(np.float32) for k, v in params0.items()}
+        params, state = step(params, state, put(grads))
+        updates, adam_state = adam.update({k: g.mean(0) for k, g in grads.items()}, adam_state, want)
+        want = optax.apply_updates(want, updates)
+        for k in want:
+            np.testing.assert_allclose(np.asarray(params[k]), np.asarray(want[k]), rtol=1e-5, atol=1e-6)
+    assert not np.any(np.asarray(jax.tree.leaves(state.worker_error)[0]))  # nothing was ever compressed
