@@ -58,11 +58,17 @@ VARIANTS = {  # name -> (optimizer type, bias_correction, fused[, auto_freeze ru
     "onebit_row_scales": ("OneBitAdam", True, False),
     "onebit_preconditioned": ("OneBitAdam", True, False),
     "onebit_preconditioned_rows": ("OneBitAdam", True, False),
+    "onebit_refresh": ("OneBitAdam", True, False),
+    "onebit_preconditioned_clip": ("OneBitAdam", True, False),
+    "onebit_preconditioned_clip_refresh": ("OneBitAdam", True, False),
 }
 EXTRA = {  # name -> further jonebit-only optimizer params
     "onebit_row_scales": {"row_scales": True},
     "onebit_preconditioned": {"preconditioned": True},
     "onebit_preconditioned_rows": {"preconditioned": True, "row_scales": True},
+    "onebit_refresh": {"variance_refresh": 16},
+    "onebit_preconditioned_clip": {"preconditioned": True, "clip_ratio": 7.27},
+    "onebit_preconditioned_clip_refresh": {"preconditioned": True, "clip_ratio": 7.27, "variance_refresh": 16},
 }
 DEFAULT_VARIANTS = ["adam", "onebit_deepspeed", "onebit_bias_fused", "onebit_default"]
 

@@ -20,8 +20,8 @@ def main(outdir: str) -> None:
     rank, world = comm.Get_rank(), comm.Get_size()
     g = grads(world)
     results = {}
-    for name, (fused, mean, wd) in CONFIGS.items():
-        tx = onebit_adam(1e-2, freeze_step=FREEZE_STEP, fused=fused, weight_decay=wd,
+    for name, (fused, mean, wd, refresh) in CONFIGS.items():
+        tx = onebit_adam(1e-2, freeze_step=FREEZE_STEP, fused=fused, weight_decay=wd, variance_refresh=refresh,
                          mpi_comm=MPIBackend(comm, mean=mean))
         params = jax.tree.map(np.asarray, params0())
         state = jax.jit(tx.init)(params)

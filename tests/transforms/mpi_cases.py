@@ -6,10 +6,11 @@ import numpy as np
 
 STEPS = 6
 FREEZE_STEP = 2
-CONFIGS = {  # name -> (fused, mean mode of the MPI backend, weight decay)
-    "fused": (True, "ordered", 0.0),
-    "perleaf": (False, "ordered", 0.01),
-    "fused_allreduce": (True, "allreduce", 0.0),
+CONFIGS = {  # name -> (fused, mean mode of the MPI backend, weight decay, variance_refresh)
+    "fused": (True, "ordered", 0.0, None),
+    "perleaf": (False, "ordered", 0.01, None),
+    "fused_allreduce": (True, "allreduce", 0.0, None),
+    "perleaf_refresh": (False, "ordered", 0.01, 2),  # updates 3 and 5 exact (MPI_Allreduce), 2 and 4 compressed
 }
 
 

@@ -18,10 +18,10 @@ from tests.transforms.mpi_cases import CONFIGS, FREEZE_STEP, STEPS, grads, param
 WORKER = pathlib.Path(__file__).with_name("mpi_adam_worker.py")
 
 
-def shard_map_run(world: int, fused: bool, wd: float) -> dict:
+def shard_map_run(world: int, fused: bool, wd: float, refresh: int | None = None) -> dict:
     """Same steps through the shard_map backend; per-rank results keyed like the MPI worker's."""
     mesh = jax.make_mesh((world,), ("data",), devices=jax.devices()[:world])
-    tx = onebit_adam(1e-2, freeze_step=FREEZE_STEP, fused=fused, weight_decay=wd)
+    tx = onebit_adam(1e-2, freeze_step=FREEZE_STEP, fused=fused, weight_decay=wd, variance_refresh=refresh)
     state, specs = sharded_init(tx, params0(), mesh)
     params = jax.device_put(params0(), NamedSharding(mesh, P()))
 
@@ -58,8 +58,8 @@ def mpi_results(request, tmp_path_factory):
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_onebit_adam_mpi_equals_shard_map(mpi_results, config):
     world, ranks = mpi_results
-    fused, mean, wd = CONFIGS[config]
-    ref = shard_map_run(world, fused, wd)
+    fused, mean, wd, refresh = CONFIGS[config]
+    ref = shard_map_run(world, fused, wd, refresh)
     # The compression stage really ran: error feedback buffers are populated.
     assert any(np.abs(v).max() > 0 for k, v in ref.items() if k.startswith("worker_error"))
     # Bitwise except MPI_Allreduce over 4 ranks, whose tree summation order differs from XLA's rank order.
