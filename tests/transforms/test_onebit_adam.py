@@ -475,19 +475,23 @@ def test_row_scales_bytes_from_the_compiled_step():
     assert row_compressed_bytes_per_rank(100 * 64, p, 64) == 2 * (p - 1) * (100 // p) * (8 + 4)
 
 
-@pytest.mark.parametrize("fused,preconditioned,clip", [(True, False, None), (False, True, 2.0)])
-def test_variance_refresh_matches_reference(fused, preconditioned, clip):
+@pytest.mark.parametrize("fused,preconditioned,clip,norm", [(True, False, None, None), (False, True, 2.0, None),
+                                                             (False, False, None, 3.0)])
+def test_variance_refresh_matches_reference(fused, preconditioned, clip, norm):
     """variance_refresh=K: every K-th compression update is an exact step on the mean gradient that refreshes the
     variance with weight 1 - b2^K and advances its bias correction; against the numpy reference, which must also
-    differ from the frozen variance."""
+    differ from the frozen variance. With max_grad_norm the refresh averages the locally clipped gradients."""
     p, freeze, k = 4, 3, 2
     params0 = make_params(np.random.default_rng(5))
     sched = optax.linear_schedule(1e-2, 1e-3, 10)
     kw = dict(freeze_step=freeze, fused=fused, preconditioned=preconditioned, clip_ratio=clip)
-    tx = onebit_adam(sched, bias_correction=True, weight_decay=0.01, variance_refresh=k, **kw)
-    common = dict(lr=None, wd=0.01, schedule=lambda c: float(sched(c)), bias_correction=True, **kw)
+    tx = onebit_adam(sched, bias_correction=True, weight_decay=0.01, variance_refresh=k, max_grad_norm=norm, **kw)
+    common = dict(lr=None, wd=0.01, schedule=lambda c: float(sched(c)), bias_correction=True, clip_norm=norm,
+                  clip_averaged_warmup=norm is not None, **kw)
     ref = NumpyOneBitAdamFull(params0, p, refresh=k, **common)
     frozen = NumpyOneBitAdamFull(params0, p, **common)
+    if norm is not None:  # the clip binds on every local gradient (norm ~ sqrt(48)), less often on the mean
+        assert norm < np.sqrt(48) * 0.6
     for t, grads, got, want in run_against(tx, ref, p, steps=10, seed=6):
         other = frozen.step(grads)
         for name in want:
