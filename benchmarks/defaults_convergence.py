@@ -61,6 +61,9 @@ VARIANTS = {  # name -> (optimizer type, bias_correction, fused[, auto_freeze ru
     "onebit_refresh": ("OneBitAdam", True, False),
     "onebit_preconditioned_clip": ("OneBitAdam", True, False),
     "onebit_preconditioned_clip_refresh": ("OneBitAdam", True, False),
+    "onebit_local_clip": ("OneBitAdam", True, False),
+    "onebit_local_clip_refresh": ("OneBitAdam", True, False),
+    "onebit_local_clip_preconditioned_clip": ("OneBitAdam", True, False),
 }
 EXTRA = {  # name -> further jonebit-only optimizer params
     "onebit_row_scales": {"row_scales": True},
@@ -69,6 +72,9 @@ EXTRA = {  # name -> further jonebit-only optimizer params
     "onebit_refresh": {"variance_refresh": 16},
     "onebit_preconditioned_clip": {"preconditioned": True, "clip_ratio": 7.27},
     "onebit_preconditioned_clip_refresh": {"preconditioned": True, "clip_ratio": 7.27, "variance_refresh": 16},
+    "onebit_local_clip": {"local_clip": True},
+    "onebit_local_clip_refresh": {"local_clip": True, "variance_refresh": 16},
+    "onebit_local_clip_preconditioned_clip": {"local_clip": True, "preconditioned": True, "clip_ratio": 7.27},
 }
 DEFAULT_VARIANTS = ["adam", "onebit_deepspeed", "onebit_bias_fused", "onebit_default"]
 

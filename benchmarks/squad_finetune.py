@@ -88,6 +88,7 @@ def main() -> None:
     p.add_argument("--clip-ratio", type=float, help="1-bit Adam: bound on |m| / sqrt(v) after the freeze")
     p.add_argument("--variance-refresh", type=int, metavar="K",
                    help="1-bit Adam: every K-th update after the freeze is exact and refreshes the variance")
+    p.add_argument("--local-clip", action="store_true", help="1-bit Adam: clip each rank's gradient in warmup too")
     p.add_argument("--data-parallel", type=int, help="ranks (default: every device)")
     p.add_argument("--optimizers", nargs="+", default=["adam", "onebit_adam"], choices=["adam", "onebit_adam"])
     p.add_argument("--seed", type=int, default=0)
@@ -107,7 +108,8 @@ def main() -> None:
                      max_train_examples=args.train_examples or None, max_eval_examples=args.eval_examples or None,
                      learning_rate=args.learning_rate, freeze_proportion=args.freeze_proportion,
                      row_scales=args.row_scales, preconditioned=args.preconditioned, clip_ratio=args.clip_ratio,
-                     variance_refresh=args.variance_refresh, data_parallel=args.data_parallel, seed=args.seed,
+                     variance_refresh=args.variance_refresh, local_clip=args.local_clip,
+                     data_parallel=args.data_parallel, seed=args.seed,
                      progress=False)
         rows.append(summarize(name, result))
     import jax

@@ -45,7 +45,8 @@ _BING_LR = 3e-5
 def default_config(optimizer: str, batch_size: int, max_steps: int, *, lr: float = _BING_LR,
                    warmup_proportion: float = 0.1, freeze_proportion: float = 0.2,
                    weight_decay: float = 0.0, row_scales: bool = False, preconditioned: bool = False,
-                   clip_ratio: float | None = None, variance_refresh: int | None = None) -> dict:
+                   clip_ratio: float | None = None, variance_refresh: int | None = None,
+                   local_clip: bool = False) -> dict:
     """The built-in DeepSpeed config: BingBertSQuAD's hyper-parameters for ``max_steps`` steps.
 
     Args:
@@ -63,6 +64,7 @@ def default_config(optimizer: str, batch_size: int, max_steps: int, *, lr: float
         (``onebit_adam(clip_ratio=...)``).
       variance_refresh: 1-bit Adam: every K-th update after the freeze is exact and refreshes the variance
         (``onebit_adam(variance_refresh=K)``).
+      local_clip: 1-bit Adam: clip each rank's gradient in warmup too (``onebit_adam(local_clip=True)``).
     """
     if optimizer not in ("adam", "onebit_adam"):
         raise ValueError(f"--optimizer must be adam or onebit_adam, got {optimizer!r}")
@@ -81,6 +83,8 @@ def default_config(optimizer: str, batch_size: int, max_steps: int, *, lr: float
             config["optimizer"]["params"]["clip_ratio"] = clip_ratio
         if variance_refresh is not None:
             config["optimizer"]["params"]["variance_refresh"] = variance_refresh
+        if local_clip:
+            config["optimizer"]["params"]["local_clip"] = True
     return config
 
 
@@ -335,6 +339,7 @@ def run(
     preconditioned: bool = False,
     clip_ratio: float | None = None,
     variance_refresh: int | None = None,
+    local_clip: bool = False,
     predict_batch_size: int = 64,
     n_best_size: int = 20,
     max_answer_length: int = 30,
@@ -407,7 +412,8 @@ def run(
         cfg = default_config(optimizer, train_batch, steps, lr=learning_rate or _BING_LR,
                              warmup_proportion=warmup_proportion, freeze_proportion=freeze_proportion,
                              weight_decay=weight_decay, row_scales=row_scales, preconditioned=preconditioned,
-                             clip_ratio=clip_ratio, variance_refresh=variance_refresh)
+                             clip_ratio=clip_ratio, variance_refresh=variance_refresh,
+                             local_clip=local_clip)
     elif "scheduler" not in cfg:
         lr = cfg.get("optimizer", {}).get("params", {}).get("lr", _BING_LR)
         cfg["scheduler"] = bing_schedule(lr, steps, warmup_proportion)
@@ -517,6 +523,8 @@ def add_parser(subparsers) -> None:
                    help="built-in 1-bit Adam: bound on |m| / sqrt(v) after the freeze (Adam's own: 7.27)")
     p.add_argument("--variance-refresh", type=int, metavar="K",
                    help="built-in 1-bit Adam: every K-th update after the freeze is exact and refreshes the variance")
+    p.add_argument("--local-clip", action="store_true",
+                   help="built-in 1-bit Adam: clip each rank's gradient in warmup too (same scale across the freeze)")
     p.add_argument("--max-train-examples", type=int, help="use the first N training questions")
     p.add_argument("--max-eval-examples", type=int, help="predict the first N questions of --predict-file")
     p.add_argument("--predict-batch-size", type=int, default=64, help="windows per prediction batch (default 64)")
@@ -553,7 +561,8 @@ def main(args) -> int:
             learning_rate=args.learning_rate, warmup_proportion=args.warmup_proportion,
             freeze_proportion=args.freeze_proportion, weight_decay=args.weight_decay, row_scales=args.row_scales,
             preconditioned=args.preconditioned, clip_ratio=args.clip_ratio,
-            variance_refresh=args.variance_refresh, predict_batch_size=args.predict_batch_size,
+            variance_refresh=args.variance_refresh, local_clip=args.local_clip,
+            predict_batch_size=args.predict_batch_size,
             n_best_size=args.n_best_size,
             max_answer_length=args.max_answer_length, eval_every=args.eval_every,
             checkpoint_every=args.checkpoint_every, data_parallel=args.data_parallel, seed=args.seed,

@@ -300,6 +300,7 @@ _ONEBIT_ADAM_PARAMS = {
     "preconditioned": Param(_bool, False),  # jonebit only: compress m / (sqrt(v) + eps) instead of m
     "clip_ratio": Param(_opt_pos_float, None),  # jonebit only: bound on |m| / sqrt(v) after the freeze
     "variance_refresh": Param(_opt_pos_int, None),  # jonebit only: an exact step refreshing v every K updates
+    "local_clip": Param(_bool, False),  # jonebit only: gradient_clipping on each rank's gradient in warmup too
     "betas": _BETAS,
     "eps": Param(_pos_float, 1e-8),
     "weight_decay": Param(_nonneg_float, 0.0),
@@ -315,7 +316,7 @@ _ONEBIT_ADAM_PARAMS = {
 # both, so it defaults to false here) plus their schedules.
 _ONEBIT_COMMON = {k: v for k, v in _ONEBIT_ADAM_PARAMS.items()
                   if k not in ("freeze_step", "auto_freeze", "row_scales", "preconditioned", "clip_ratio",
-                               "variance_refresh")} | {
+                               "variance_refresh", "local_clip")} | {
     "bias_correction": Param(_bool, False),
 }
 _ZERO_ONE_ADAM_PARAMS = _ONEBIT_COMMON | {
@@ -1067,7 +1068,7 @@ def _build_onebit_adam(params: dict, learning_rate, options: dict) -> optax.Grad
         b1=b1, b2=b2, eps=params["eps"], weight_decay=params["weight_decay"],
         bias_correction=params["bias_correction"], mask_unseen=params["mask_unseen"],
         row_scales=params["row_scales"], preconditioned=params["preconditioned"], clip_ratio=params["clip_ratio"],
-        variance_refresh=params["variance_refresh"],
+        variance_refresh=params["variance_refresh"], local_clip=params["local_clip"],
         exp_avg_mask=options.get("exp_avg_mask"),
         fused=options["fused"],
         max_grad_norm=options.get("max_grad_norm"),

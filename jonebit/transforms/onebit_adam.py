@@ -336,6 +336,7 @@ def onebit_adam(
     preconditioned: bool = False,
     clip_ratio: float | None = None,
     variance_refresh: int | None = None,
+    local_clip: bool = False,
 ) -> optax.GradientTransformation:
     r"""1-bit Adam (Tang et al., 2021) with DeepSpeed's semantics.
 
@@ -409,6 +410,11 @@ def onebit_adam(
         compression stage each rank's local gradient (no averaged gradient exists there). ``None``/``0``: no
         clipping. Not available with ``zero_stage >= 1`` (put ``optax.clip_by_global_norm`` in front instead,
         which clips the local gradient in both stages).
+      local_clip: with ``max_grad_norm``, clip each rank's local gradient in warmup too, so that both stages
+        average gradients of the same scale. DeepSpeed's placement (``False``) changes the scale at the freeze
+        whenever the clip binds: a local gradient's norm exceeds the mean's by the noise that averaging removes,
+        so after the freeze the clipped gradients are smaller than warmup's (a third of them on a tiny BERT with
+        8 ranks), and so is every step, which the frozen variance does not follow.
       axis_name: the ``jax.shard_map`` mesh axis of the data-parallel ranks, or a pair ``(hosts, local)`` of
         axes of a 2-D mesh for hierarchical compression (:mod:`jonebit.comm.hierarchical`): the first is the slow
         inter-host axis, crossed only by 1-bit data, the second the fast axis inside a host, over which the
@@ -493,7 +499,7 @@ def onebit_adam(
             max_grad_norm = None
     for name, value in (("bias_correction", bias_correction), ("fused", fused), ("error_feedback", error_feedback),
                         ("mask_unseen", mask_unseen), ("row_scales", row_scales),
-                        ("preconditioned", preconditioned)):
+                        ("preconditioned", preconditioned), ("local_clip", local_clip)):
         _check_bool(name, value)
     if nonfinite not in NONFINITE_MODES:
         raise ValueError(f"onebit_adam: nonfinite must be one of {NONFINITE_MODES}, got {nonfinite!r}")
@@ -716,7 +722,7 @@ def onebit_adam(
         limit = state.freeze_at if rule is not None else freeze_step
 
         def warmup(_):
-            g = _clip(backend.mean(grads))
+            g = backend.mean(_clip(grads)) if local_clip else _clip(backend.mean(grads))
             mu = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, state.mu, g)
             nu = jax.tree.map(lambda v, g: b2 * v + (1.0 - b2) * g * g, state.nu, g)
             if rule is None:

@@ -224,6 +224,7 @@ BAD = [
     (edit(ONEBIT, "optimizer.params.clip_ratio", 0), "optimizer.params.clip_ratio", r"expected a number > 0, got 0"),
     (edit(ONEBIT, "optimizer.params.variance_refresh", 0), "optimizer.params.variance_refresh", r">= 1"),
     (edit(ONEBIT, "optimizer.params.variance_refresh", 2.5), "optimizer.params.variance_refresh", r"integer"),
+    (edit(ONEBIT, "optimizer.params.local_clip", "on"), "optimizer.params.local_clip", r"expected true or false"),
     (edit(ZERO_ONE, "optimizer.params.preconditioned", True), "optimizer.params.preconditioned",
      r"unknown key in .optimizer\.params.\. Known keys: amsgrad"),
     (edit(AUTO1, "optimizer.params.auto_freeze", {"statistic": "mean"}), "optimizer.params.auto_freeze.statistic",

@@ -317,6 +317,24 @@ def test_max_grad_norm_clips_the_averaged_gradient_in_warmup_and_the_local_one_a
             assert max(np.abs(want[k] - other[k]).max() for k in want) > 1e-4
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_local_clip_clips_each_ranks_gradient_in_both_stages(fused):
+    """local_clip=True: warmup averages the locally clipped gradients too (the reference without
+    clip_averaged_warmup), so the scale does not change at the freeze; DeepSpeed's placement differs."""
+    p, clip, freeze = 4, 0.5, 3
+    params0 = make_params(np.random.default_rng(0))
+    kw = dict(freeze_step=freeze, bias_correction=True, fused=fused)
+    tx = onebit_adam(1e-2, max_grad_norm=clip, local_clip=True, weight_decay=0.01, **kw)
+    ref = NumpyOneBitAdamFull(params0, p, lr=1e-2, wd=0.01, clip_norm=clip, **kw)
+    deepspeed = NumpyOneBitAdamFull(params0, p, lr=1e-2, wd=0.01, clip_norm=clip, clip_averaged_warmup=True, **kw)
+    for t, grads, got, want in run_against(tx, ref, p, steps=6, grad_scale=3.0):
+        other = deepspeed.step(grads)
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=2e-6, err_msg=f"step {t} leaf {k}")
+        if t == 0:
+            assert max(np.abs(want[k] - other[k]).max() for k in want) > 1e-4
+
+
 def test_max_grad_norm_zero_is_off_and_refused_under_zero():
     params0 = make_params(np.random.default_rng(1))
     off = NumpyOneBitAdamFull(params0, 2, lr=1e-2, freeze_step=2, bias_correction=True, fused=False)

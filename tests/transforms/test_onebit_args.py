@@ -47,6 +47,7 @@ CONSTRUCTION = [
     (dict(clip_ratio=0.0), ValueError, r"clip_ratio must be > 0, got 0.0"),
     (dict(clip_ratio="adam"), TypeError, r"clip_ratio must be a number"),
     (dict(preconditioned=True, zero_stage=2), ValueError, r"preconditioned=True is available at ZeRO stage 0 only"),
+    (dict(local_clip="yes"), TypeError, r"local_clip must be True or False, got str 'yes'"),
     (dict(variance_refresh=0), ValueError, r"variance_refresh must be >= 1 \(refresh the variance every K"),
     (dict(variance_refresh=2.5), TypeError, r"variance_refresh must be a whole number of updates"),
     (dict(variance_refresh=True), TypeError, r"variance_refresh must be a whole number of updates"),
