@@ -122,7 +122,7 @@ class NumpyOneBitAdam:
                       and (self.count + 1 - self.freeze) % self.refresh == 0)
         if self.count < self.freeze or refreshing:
             g = {k: np.mean([lg[k] for lg in local_grads], axis=0, dtype=np.float32) for k in self.keys}
-            w = np.float32(b2 ** self.refresh if refreshing else b2)
+            w = b2 ** self.refresh if refreshing else b2  # Python floats, as the library computes them
             for k in self.keys:
                 self.m[k] = b1 * self.m[k] + (1 - b1) * g[k]
                 self.v[k] = w * self.v[k] + (1 - w) * g[k] * g[k]
