@@ -305,6 +305,15 @@ def test_configs_scale_the_batch_and_keep_the_rest(tmp_path):
     onebit = default_config("onebit_adam", 96, 100)
     assert onebit["optimizer"]["params"]["freeze_step"] == 21  # 20 Adam steps (DeepSpeed's F - 1), then compression
     assert onebit["optimizer"]["params"]["bias_correction"] is True and onebit["train_batch_size"] == 96
+    # The options that fine-tuned closest to Adam are on; Adam's own ratio bound is the clip.
+    from jonebit import adam_ratio_bound
+
+    params = onebit["optimizer"]["params"]
+    assert params["preconditioned"] is True and params["local_clip"] is True and "variance_refresh" not in params
+    assert params["clip_ratio"] == pytest.approx(adam_ratio_bound(0.9, 0.999), rel=1e-12)
+    plain = default_config("onebit_adam", 96, 100, preconditioned=False, clip_ratio=None, local_clip=False)
+    assert "clip_ratio" not in plain["optimizer"]["params"] and "local_clip" not in plain["optimizer"]["params"]
+    assert plain["optimizer"]["params"]["preconditioned"] is False
     sched = onebit["scheduler"]["params"]
     assert (sched["warmup_max_lr"], sched["warmup_num_steps"], sched["warmup_type"]) == (3e-5, 10, "linear")
     adam = default_config("adam", 96, 100)
