@@ -378,6 +378,10 @@ def run(
         raise ValueError(f"--warmup-proportion must be a fraction of the steps in [0, 1], got {warmup_proportion}")
     if not 0 < freeze_proportion <= 1:
         raise ValueError(f"--freeze-proportion must be a fraction of the steps in (0, 1], got {freeze_proportion}")
+    if clip_ratio is not None and not clip_ratio > 0:
+        raise ValueError(f"--clip-ratio must be > 0 (or 0 for no bound), got {clip_ratio}")
+    if variance_refresh is not None and (isinstance(variance_refresh, bool) or variance_refresh < 1):
+        raise ValueError(f"--variance-refresh must be a number of updates >= 1 (or 0 for none), got {variance_refresh}")
     if data_parallel is not None and data_parallel > jax.device_count():
         raise ValueError(f"--data-parallel {data_parallel}: there are only {jax.device_count()} devices")
     if not epochs > 0:

@@ -266,6 +266,8 @@ def test_squad_from_a_pretrain_run_and_resume(tiny, tmp_path, capsys):
     (["--epochs", "0"], r"--epochs must be > 0"),
     (["--n-best-size", "0"], r"--n-best-size must be a positive integer, got 0"),
     (["--freeze-proportion", "1.5"], r"--freeze-proportion must be a fraction of the steps in \(0, 1\], got 1.5"),
+    (["--clip-ratio", "-1"], r"--clip-ratio must be > 0 \(or 0 for no bound\), got -1.0"),
+    (["--variance-refresh", "-2"], r"--variance-refresh must be a number of updates >= 1 \(or 0 for none\), got -2"),
     (["--max-seq-length", "128"], r"--max-seq-length 128 exceeds the model's max_position_embeddings 64"),
     (["--vocab", "{other_vocab}"], r"has vocab_size \d+, .* has 6 tokens: pass the checkpoint's own vocab.txt"),
 ])
