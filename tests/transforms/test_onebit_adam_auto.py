@@ -32,13 +32,13 @@ def gradients(rng, params0, p, steps):
             for _ in range(steps)]
 
 
-def run_auto(p, *, rule=RULE, fused=False, steps=30, seed=0, bias_correction=True):
+def run_auto(p, *, rule=RULE, fused=False, steps=30, seed=0, bias_correction=True, refresh=None):
     """jonebit's auto 1-bit Adam and the numpy reference on the same per-rank gradients; per-step params."""
     rng = np.random.default_rng(seed)
     params0 = make_params(rng)
     mesh = mesh_of(p)
     tx = onebit_adam(sched, freeze_step="auto", auto_freeze=jonebit.AutoFreeze(**rule), b2=B2, weight_decay=0.01,
-                     fused=fused, bias_correction=bias_correction)
+                     fused=fused, bias_correction=bias_correction, variance_refresh=refresh)
     state, specs = sharded_init(tx, params0, mesh)
     step, put = stepper(tx, mesh, specs)
     params = jax.device_put(params0, jax.NamedSharding(mesh, P()))
@@ -70,14 +70,16 @@ def test_auto_switch_and_trajectory_match_numpy_reference(p, fused, caplog):
     np.testing.assert_allclose(np.asarray(state.nu["w"]), ref.v["w"], rtol=1e-5, atol=1e-9)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_auto_equals_the_fixed_freeze_step_it_decided(fused):
-    """Bit for bit: from the decided point on it is 1-bit Adam with that int freeze_step (bias correction included)."""
+@pytest.mark.parametrize("fused,refresh", [(True, None), (False, None), (False, 3)])
+def test_auto_equals_the_fixed_freeze_step_it_decided(fused, refresh):
+    """Bit for bit: from the decided point on it is 1-bit Adam with that int freeze_step (bias correction included;
+    with variance_refresh the refreshes count from the decided point)."""
     p = 4
-    params0, grads, params, state, ref, _ = run_auto(p, fused=fused, steps=24)
+    params0, grads, params, state, ref, _ = run_auto(p, fused=fused, steps=24, refresh=refresh)
     want = int(state.freeze_at)
+    assert want < 24 - 3  # the compression stage (and with refresh=3, refreshes) ran
     mesh = mesh_of(p)
-    tx = onebit_adam(sched, freeze_step=want, b2=B2, weight_decay=0.01, fused=fused)
+    tx = onebit_adam(sched, freeze_step=want, b2=B2, weight_decay=0.01, fused=fused, variance_refresh=refresh)
     fixed_state, specs = sharded_init(tx, params0, mesh)
     step, put = stepper(tx, mesh, specs)
     fixed = jax.device_put(params0, jax.NamedSharding(mesh, P()))
