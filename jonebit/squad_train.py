@@ -437,6 +437,11 @@ def run(
     if onebit and freeze != "auto" and freeze - 1 >= steps:
         print(f"note: 1-bit Adam's freeze_step {ds.optimizer.params['freeze_step']} is past the {steps} steps of "
               "this run: it never reaches the compression stage (lower freeze_step or train longer)")
+    if (config is not None and onebit and ds.optimizer.type == "OneBitAdam" and ds.gradient_clipping > 0
+            and "local_clip" not in cfg.get("optimizer", {}).get("params", {})):
+        print("note: the config clips 1-bit Adam's averaged gradient in warmup and each rank's own after the freeze "
+              "(DeepSpeed's placement), which shrinks every compressed step when the clip binds; on SQuAD "
+              "\"local_clip\": true in optimizer.params gained 3.6 F1 (benchmarks/BENCHMARKS.md)")
 
     net = build_model(hf_dir, seed)
     if net.config.vocab_size != tokenizer.vocab_size:
