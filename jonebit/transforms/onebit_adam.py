@@ -721,10 +721,13 @@ def onebit_adam(
         decision = (state.freeze_at, state.variance_norms, state.calm_checks) if rule is not None else ()
         limit = state.freeze_at if rule is not None else freeze_step
 
+        def moments(g, w):  # Adam's moments on an exact mean gradient, the variance's weight w
+            mu = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, state.mu, g)
+            return mu, jax.tree.map(lambda v, g: w * v + (1.0 - w) * g * g, state.nu, g)
+
         def warmup(_):
             g = backend.mean(_clip(grads)) if local_clip else _clip(backend.mean(grads))
-            mu = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, state.mu, g)
-            nu = jax.tree.map(lambda v, g: b2 * v + (1.0 - b2) * g * g, state.nu, g)
+            mu, nu = moments(g, b2)
             if rule is None:
                 return mu, nu, worker_error, server_error
             freeze_at, norms, calm = auto_freeze_step(rule, count, nu, state.variance_norms, state.calm_checks,
@@ -734,10 +737,7 @@ def onebit_adam(
         def refresh(_):  # variance_refresh: an exact step whose gradient stands for the K updates since the last
             # The mean of the locally clipped gradients: what the compressed updates around it average, so that
             # v follows the scale of the gradients m is made of (the clipped mean of warmup is larger).
-            g = backend.mean(_clip(grads))
-            mu = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, state.mu, g)
-            w = b2 ** variance_refresh
-            nu = jax.tree.map(lambda v, g: w * v + (1.0 - w) * g * g, state.nu, g)
+            mu, nu = moments(backend.mean(_clip(grads)), b2 ** variance_refresh)
             return (mu, nu, worker_error, server_error, *decision)
 
         def compression(_):
@@ -775,10 +775,11 @@ def onebit_adam(
         count = state.count
         bad, on_skip = _nonfinite_flag(backend, grads, state.mu, nonfinite)
         # The variance's clock: the update whose bias correction the variance carries (the freeze, or the latest
-        # refresh); step_scalars takes it as the point where the correction stops.
+        # refresh); step_scalars takes it as the point where the correction stops. During warmup the update is
+        # before the clock, so the correction follows the update whatever the (auto) freeze point decides.
         clock = limit
         if variance_refresh is not None:
-            since = count + 1 - limit
+            since = count + 1 - limit  # > 0 after the freeze; the refreshes are its multiples of K
             clock = jnp.where(since <= 0, limit, limit + variance_refresh * (since // variance_refresh))
 
         def skip(_):  # some rank's gradient is not finite: every rank keeps its state
@@ -789,12 +790,9 @@ def onebit_adam(
         index = jnp.where(bad, 2, jnp.where(count < limit, 1, 0))
         branches = (compression, warmup, skip)
         if variance_refresh is not None:
-            index = jnp.where((index == 0) & ((count + 1 - limit) % variance_refresh == 0), 3, index)
+            index = jnp.where((index == 0) & (since % variance_refresh == 0), 3, index)
             branches = (*branches, refresh)
         mu, nu, worker_error, server_error, *decision = lax.switch(index, branches, None)
-        # The variance's bias correction freezes at the decided point (read from the state), not at the cap.
-        if variance_refresh is None:
-            clock = decision[0] if rule is not None else freeze_step
         c1, c2, lr = step_scalars(count, b1=b1, b2=b2, freeze_step=clock, bias_correction=bias_correction,
                                   learning_rate=learning_rate)
 
