@@ -15,8 +15,10 @@ The embedded pre-training job of ``jonebit pretrain`` (a tiny BERT, MLM + NSP, o
   check, three checks in a row, at least 20 updates), for a run of a few hundred steps. The table's ``freeze at``
   column gives the update after which compression started (from the metrics' ``stage``) and its share of the run.
 
-1-bit Adam freezes the variance after 20% of the steps. The table gives the held-out MLM loss at the end and the
-gap to Adam; the figure the training curves. Results: ``benchmarks/results/defaults_convergence.{json,png}``.
+1-bit Adam freezes the variance after ``--freeze`` of the steps (default 20%, the benchmark's setting since its first
+run; the embedded default of ``jonebit pretrain`` freezes at 40%, see BENCHMARKS.md). The table gives the held-out
+MLM loss at the end and the gap to Adam; the figure the training curves. Results:
+``benchmarks/results/defaults_convergence.{json,png}``.
 
     python benchmarks/defaults_convergence.py                 # 300 steps, ~15-25 min on 2 busy cores
     python benchmarks/defaults_convergence.py --steps 100     # a quicker look
