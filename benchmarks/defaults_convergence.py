@@ -98,6 +98,10 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-batches", type=int, default=20)
     ap.add_argument("--tag", default="", help="result file suffix (defaults_convergence_TAG.json)")
     ap.add_argument("--workdir", default="runs/defaults_convergence")
+    ap.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint each run every N steps (0: at the end)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue each variant's run from its last checkpoint in --workdir instead of starting it "
+                         "afresh: a long study split over several sittings (stop it, run the same command again)")
     args = ap.parse_args(argv)
 
     from jonebit.plot import plot_runs
@@ -123,11 +127,13 @@ def main(argv=None) -> int:
                 if auto[0]:
                     cfg["optimizer"]["params"]["auto_freeze"] = auto[0]
         out = work / name
-        shutil.rmtree(out, ignore_errors=True)  # each run starts fresh (the data cache is kept)
+        if not args.resume:
+            shutil.rmtree(out, ignore_errors=True)  # each run starts fresh (the data cache is kept)
         print(f"\n== {name}", flush=True)
         t0 = time.perf_counter()
         result = run(cfg, data_dir=data_dir, vocab_file=vocab, model=args.model, seq_len=args.seq_len,
-                     max_steps=args.steps, output=out, seed=args.seed, resume=False, export=False, fused=fused,
+                     max_steps=args.steps, output=out, seed=args.seed, resume=args.resume, export=False, fused=fused,
+                     checkpoint_every=args.checkpoint_every,
                      eval_batches=args.eval_batches, eval_every=max(1, args.steps // 10))
         last = result.records[-1]
         tail = [r["loss"] for r in result.records[-max(1, len(result.records) // 10):]]
