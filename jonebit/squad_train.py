@@ -26,19 +26,20 @@ import argparse
 import dataclasses
 import json
 import logging
-import math
 import os
 import pathlib
 import sys
 import time
 from typing import Any
 
+from jonebit.transforms.onebit_adam import adam_ratio_bound
+
 log = logging.getLogger(__name__)
 
 _BING_BATCH = 96
 _BING_LR = 3e-5
-# jonebit.adam_ratio_bound() for the default betas (0.9, 0.999), without importing jax here: 7.27.
-ADAM_RATIO_BOUND = (1 - 0.9) / math.sqrt((1 - 0.999) * (1 - 0.9**2 / 0.999))
+# The built-in clip_ratio: Adam's own bound on |m| / sqrt(v) for the default betas (0.9, 0.999), 7.27.
+ADAM_RATIO_BOUND = adam_ratio_bound()
 
 
 # ----------------------------------------------------------------------------------------------------------------
