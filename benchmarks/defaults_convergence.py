@@ -102,7 +102,14 @@ def main(argv=None) -> int:
     ap.add_argument("--resume", action="store_true",
                     help="continue each variant's run from its last checkpoint in --workdir instead of starting it "
                          "afresh: a long study split over several sittings (stop it, run the same command again)")
+    ap.add_argument("--until-step", type=int, default=0,
+                    help="stop every variant at this step (with --checkpoint-every and --resume: a long study "
+                         "advanced variant by variant in the same steps, so each sitting ends with a comparison at "
+                         "one step; the schedule, freeze and eval points stay those of --steps)")
     args = ap.parse_args(argv)
+    if args.until_step < 0 or args.until_step > args.steps:
+        ap.error(f"--until-step {args.until_step} must be between 1 and --steps {args.steps} (0: run to --steps)")
+    stop = args.until_step or args.steps
 
     from jonebit.plot import plot_runs
     from jonebit.pretrain import _prepare_data, default_configs, run
@@ -132,14 +139,16 @@ def main(argv=None) -> int:
         print(f"\n== {name}", flush=True)
         t0 = time.perf_counter()
         result = run(cfg, data_dir=data_dir, vocab_file=vocab, model=args.model, seq_len=args.seq_len,
-                     max_steps=args.steps, output=out, seed=args.seed, resume=args.resume, export=False, fused=fused,
+                     max_steps=stop, output=out, seed=args.seed, resume=args.resume, export=False, fused=fused,
                      checkpoint_every=args.checkpoint_every,
                      eval_batches=args.eval_batches, eval_every=max(1, args.steps // 10))
         last = result.records[-1]
         tail = [r["loss"] for r in result.records[-max(1, len(result.records) // 10):]]
         # The record of step n says the stage of the update after n - 1 updates.
         first = next((r["step"] for r in result.records if r.get("stage") == "compression"), None)
-        freeze_at = None if kind != "OneBitAdam" else first - 1 if first is not None else args.steps
+        # Never compressed: "at the end" for a whole run, unknown yet for one stopped early (--until-step).
+        freeze_at = None if kind != "OneBitAdam" else first - 1 if first is not None else \
+            args.steps if stop == args.steps else None
         rows.append({"variant": name, "bias_correction": bias, "fused": fused,
                      "freeze": "auto" if auto else None if kind != "OneBitAdam" else "fixed",
                      "auto_freeze": auto[0] if auto else None, "freeze_at": freeze_at,
@@ -160,7 +169,8 @@ def main(argv=None) -> int:
     print("\n" + "\n".join(lines))
     payload = {"command": " ".join(["python", "benchmarks/defaults_convergence.py",
                                                           *(argv if argv is not None else sys.argv[1:])]),
-               "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr,
+               "steps": args.steps, "until_step": stop, "batch_size": args.batch_size, "seq_len": args.seq_len,
+               "lr": args.lr,
                "model": args.model, "corpus": args.corpus or "pydoc_data", "freeze": args.freeze, "rows": rows}
     path = write_json("defaults_convergence" + (f"_{args.tag}" if args.tag else ""), payload)
     png = RESULTS / f"{path.stem}.png"

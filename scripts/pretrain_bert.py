@@ -56,8 +56,9 @@ def main() -> None:
 
     def loss_fn(params, batch, rng):  # the engine's key drives dropout: a resumed run repeats it exactly
         fresh = jax.tree.map(lambda x: rng if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x, keys)
-        out = nnx.merge(graphdef, params, fresh, rest)(
-            batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], deterministic=False)
+        out = nnx.merge(graphdef, params, fresh, rest)(  # the MLM head at the masked positions only
+            batch["input_ids"], batch["attention_mask"], batch["token_type_ids"],
+            masked_positions=batch["masked_lm_positions"], deterministic=False)
         return pretraining_loss(out, batch)
 
     # 3. The engine from the DeepSpeed config, unchanged but for the batch size this machine can hold.

@@ -31,14 +31,17 @@ class BertModelOutput:
 @struct.dataclass
 class BertForPreTrainingOutput:
     """Args:
-    prediction_logits: ``[batch, seq, vocab]`` masked-LM logits (float32).
+    prediction_logits: ``[batch, seq, vocab]`` masked-LM logits (float32), or ``[batch, P, vocab]`` at the
+      ``masked_positions`` the model was called with.
     seq_relationship_logits: ``[batch, 2]`` next-sentence logits (float32; 0 = is next).
     last_hidden_state: the encoder output the heads were applied to.
+    masked_positions: ``[batch, P]`` the positions ``prediction_logits`` are at, or None for every position.
     """
 
     prediction_logits: Array
     seq_relationship_logits: Array
     last_hidden_state: Array
+    masked_positions: Array | None = None
 
 
 @struct.dataclass
@@ -398,14 +401,26 @@ class BertForPreTraining(nnx.Module):
         attention_mask: Array | None = None,
         token_type_ids: Array | None = None,
         *,
+        masked_positions: Array | None = None,
         deterministic: bool | None = None,
     ) -> BertForPreTrainingOutput:
+        """``masked_positions`` (``[batch, P]`` ints): apply the masked-LM head at these positions only, as Google's
+        and DeepSpeed's BERT pre-training do. With a large vocabulary the head over every position is most of the
+        step's work; the masked ones are 15% of the tokens."""
         out = self.bert(input_ids, attention_mask, token_type_ids, deterministic=deterministic)
         word = self.bert.embeddings.word_embeddings.embedding[...]
-        mlm = self.cls.predictions(out.last_hidden_state, word)
+        hidden = out.last_hidden_state
+        if masked_positions is not None:
+            masked_positions = jnp.asarray(masked_positions, jnp.int32)
+            if masked_positions.ndim != 2 or masked_positions.shape[0] != hidden.shape[0]:
+                raise ValueError(f"masked_positions must be [batch, P] = [{hidden.shape[0]}, P], got "
+                                 f"{masked_positions.shape}")
+            hidden = jnp.take_along_axis(hidden, masked_positions[..., None], axis=1)
+        mlm = self.cls.predictions(hidden, word)
         nsp = self.cls.seq_relationship(out.pooler_output).astype(jnp.float32)
         return BertForPreTrainingOutput(
-            prediction_logits=mlm, seq_relationship_logits=nsp, last_hidden_state=out.last_hidden_state
+            prediction_logits=mlm, seq_relationship_logits=nsp, last_hidden_state=out.last_hidden_state,
+            masked_positions=masked_positions,
         )
 
 
@@ -444,11 +459,22 @@ def pretraining_loss(out: BertForPreTrainingOutput, batch) -> jax.Array:
     ``batch["labels"]``: ``(B, T)`` token ids at masked positions and ``-100`` (any negative value) elsewhere; the MLM
     term is the mean cross-entropy over the masked positions. ``batch["next_sentence_label"]``: ``(B,)`` 0 (B follows
     A) or 1 (random B); the NSP term is the mean over the batch.
+
+    An output computed at ``masked_positions`` reads the gather form instead: ``batch["masked_lm_ids"]`` ``(B, P)``,
+    the token ids at those positions, and ``batch["masked_lm_weights"]`` ``(B, P)``, 1 for a masked position and 0
+    for padding (what :func:`jonebit.data.pretraining.collate` gives). The loss is the same number either way.
     """
     import optax
 
-    labels = batch["labels"]
-    valid = labels >= 0
+    if out.masked_positions is not None:
+        if "masked_lm_ids" not in batch or "masked_lm_weights" not in batch:
+            raise ValueError("an output at masked_positions needs batch['masked_lm_ids'] and "
+                             "batch['masked_lm_weights'] (the gather form of jonebit.data.pretraining.collate)")
+        labels = jnp.asarray(batch["masked_lm_ids"])
+        valid = jnp.asarray(batch["masked_lm_weights"]) > 0
+    else:
+        labels = batch["labels"]
+        valid = labels >= 0
     mlm = optax.softmax_cross_entropy_with_integer_labels(
         out.prediction_logits.astype(jnp.float32), jnp.where(valid, labels, 0))
     mlm = jnp.sum(jnp.where(valid, mlm, 0.0)) / jnp.maximum(jnp.sum(valid), 1)

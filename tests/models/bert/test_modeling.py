@@ -180,3 +180,47 @@ def test_pretraining_loss_matches_torch_cross_entropy():
     ce = torch.nn.CrossEntropyLoss()  # ignore_index=-100, mean over the counted positions
     want = ce(torch.tensor(pl).view(-1, 11), torch.tensor(labels).view(-1)) + ce(torch.tensor(sl), torch.tensor(nsp))
     assert abs(got - float(want)) < 1e-5
+
+
+def test_masked_positions_give_the_full_heads_logits_and_loss():
+    """The MLM head at ``masked_positions`` is the full head's logits gathered, and the loss from the gather form
+    (masked_lm_ids / masked_lm_weights) equals the loss from ``labels``, value and gradient."""
+    from jonebit.data.pretraining import collate
+    from jonebit.models.bert import pretraining_loss
+
+    cfg = BertConfig.preset("tiny", vocab_size=50, max_position_embeddings=16)
+    model = BertForPreTraining(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    n, L, P = 3, 12, 4
+    counts = np.array([4, 2, 1])
+    positions = np.zeros((n, P), np.int16)
+    ids = np.zeros((n, P), np.int32)
+    for r, c in enumerate(counts):
+        positions[r, :c] = np.sort(rng.choice(np.arange(1, L - 1), c, replace=False))
+        ids[r, :c] = rng.integers(5, 50, c)
+    batch = collate({"input_ids": rng.integers(5, 50, (n, L)), "token_type_ids": np.zeros((n, L), np.uint8),
+                     "lengths": np.array([12, 10, 7]), "masked_lm_positions": positions, "masked_lm_ids": ids,
+                     "masked_lm_count": counts, "next_sentence_labels": np.array([0, 1, 0])})
+    full = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], deterministic=True)
+    part = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"],
+                 masked_positions=batch["masked_lm_positions"], deterministic=True)
+    assert part.prediction_logits.shape == (n, P, 50)
+    want = np.take_along_axis(np.asarray(full.prediction_logits), batch["masked_lm_positions"][..., None], axis=1)
+    np.testing.assert_allclose(np.asarray(part.prediction_logits), want, rtol=1e-5, atol=1e-5)
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params, gathered):
+        m = nnx.merge(graphdef, params, rest)
+        kw = {"masked_positions": batch["masked_lm_positions"]} if gathered else {}
+        return pretraining_loss(m(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"],
+                                  deterministic=True, **kw), batch)
+
+    (lf, gf), (lp, gp) = (jax.value_and_grad(loss)(params, g) for g in (False, True))
+    assert abs(float(lf) - float(lp)) < 1e-5 and float(lf) > 1.0
+    for a, b in zip(jax.tree.leaves(gf), jax.tree.leaves(gp), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="masked_lm_ids"):
+        pretraining_loss(part, {"labels": batch["labels"], "next_sentence_label": batch["next_sentence_label"]})
+    with pytest.raises(ValueError, match=r"\[batch, P\]"):
+        model(batch["input_ids"], masked_positions=np.zeros((P,), np.int32))
