@@ -143,6 +143,7 @@ def main(argv=None) -> int:
                      checkpoint_every=args.checkpoint_every,
                      eval_batches=args.eval_batches, eval_every=max(1, args.steps // 10))
         last = result.records[-1]
+        evals = [r for r in result.records if "eval/mlm_loss" in r]
         tail = [r["loss"] for r in result.records[-max(1, len(result.records) // 10):]]
         # The record of step n says the stage of the update after n - 1 updates.
         first = next((r["step"] for r in result.records if r.get("stage") == "compression"), None)
@@ -156,10 +157,10 @@ def main(argv=None) -> int:
                      "heldout_mlm_accuracy": last.get("eval/mlm_accuracy"),
                      "nsp_accuracy": last.get("eval/nsp_accuracy"), "seconds": time.perf_counter() - t0,
                      "curve": [(r["step"], r["loss"]) for r in result.records],
-                     "eval_curve": [(r["step"], r["eval/mlm_loss"]) for r in result.records if "eval/mlm_loss" in r],
+                     "eval_curve": [(r["step"], r["eval/mlm_loss"]) for r in evals],
                      # (step, held-out MLM accuracy, NSP accuracy) at the same points as eval_curve
                      "eval_accuracy_curve": [(r["step"], r.get("eval/mlm_accuracy"), r.get("eval/nsp_accuracy"))
-                                             for r in result.records if "eval/mlm_loss" in r]})
+                                             for r in evals]})
         outputs.append(out)
     ref = next((r["heldout_mlm_loss"] for r in rows if r["variant"] == "adam"), None)
     lines = ["| run | bias correction | fused | freeze at | train loss (last 10%) | held-out MLM loss | vs Adam | "
