@@ -474,12 +474,16 @@ def test_real_cluster_shapes_and_counts_bytes():
     assert got == payload
     assert elapsed >= 0.9 * 8 * payload / rate_bits(rate)
     up0, down1 = after["up"][0] - before["up"][0], after["down"][1] - before["down"][1]
-    # payload plus Ethernet/IP/TCP headers (66 bytes per 1448-byte segment at MTU 1500) and the handshake
+    # At least the payload plus Ethernet/IP/TCP headers: 66 bytes per full 1448-byte segment at MTU 1500 (4.6%).
+    # At most that plus retransmissions, which a loaded machine can cause when the shaper's queue overflows; a
+    # second copy of the payload is far above the 10% allowed here, so a double count still fails.
+    framed = payload + -(-payload // 1448) * 66
     for sent in (up0, down1):
-        assert payload * 1.03 < sent < payload * 1.06
-    # the reverse direction carries only ACKs
-    assert after["up"][1] - before["up"][1] < 0.05 * payload
-    assert sleeper.wait(timeout=10) == -signal.SIGKILL
+        assert framed <= sent < 1.10 * framed, (sent, framed)
+    # The reverse direction carries only ACKs: 66 bytes each, at most one per data segment (delayed ACKs halve
+    # that; a slow receiver adds window updates but never more than one per segment it reads).
+    assert after["up"][1] - before["up"][1] <= -(-payload // 1448) * 66 * 1.5
+    assert sleeper.wait(timeout=120) == -signal.SIGKILL  # a hang guard; teardown kills it at once
     ok, found = _no_leftovers("jbt")
     assert ok, found
 
