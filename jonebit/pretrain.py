@@ -74,19 +74,24 @@ def _model_config(name: str, vocab_size: int, seq_len: int):
     return BertConfig.preset(name, vocab_size=vocab_size, max_position_embeddings=max(512, seq_len))
 
 
-def build_model(name: str, vocab_size: int, seq_len: int, seed: int):
-    """A ``BertForPreTraining``: a preset initialised from ``seed``, or ``hf:DIR`` loaded from a checkpoint."""
+def build_model(name: str, vocab_size: int, seq_len: int, seed: int, dtype=None):
+    """A ``BertForPreTraining``: a preset initialised from ``seed``, or ``hf:DIR`` loaded from a checkpoint.
+
+    ``dtype`` is the compute dtype (float32 parameters either way; None: float32).
+    """
+    import jax.numpy as jnp
     from flax import nnx
 
     from jonebit.models.bert import BertForPreTraining, load_hf_checkpoint
 
     if name.startswith("hf:"):
-        model = load_hf_checkpoint(name[3:], model_cls=BertForPreTraining)
+        model = load_hf_checkpoint(name[3:], model_cls=BertForPreTraining, dtype=dtype or jnp.float32)
         if model.config.vocab_size != vocab_size:
             raise ValueError(f"--model {name} has vocab_size {model.config.vocab_size}, the tokenizer has "
                              f"{vocab_size}: pass the checkpoint's vocab.txt with --vocab")
         return model
-    return BertForPreTraining(_model_config(name, vocab_size, seq_len), rngs=nnx.Rngs(params=seed, dropout=seed + 1))
+    return BertForPreTraining(_model_config(name, vocab_size, seq_len), dtype=dtype or jnp.float32,
+                              rngs=nnx.Rngs(params=seed, dropout=seed + 1))
 
 
 def make_loss(graphdef, keys, rest):
@@ -186,11 +191,11 @@ def run(
     from jonebit.data.tokenization import load_wordpiece
     from jonebit.models.bert import position_embedding_mask, save_hf_checkpoint
     from jonebit.train.config import ONEBIT_OPTIMIZERS, load_config
-    from jonebit.train.initialize import initialize
+    from jonebit.train.initialize import compute_dtype, initialize
 
     tokenizer = load_wordpiece(vocab_file)
     cfg = load_config(config)
-    net = build_model(model, tokenizer.vocab_size, seq_len, seed)
+    net = build_model(model, tokenizer.vocab_size, seq_len, seed, dtype=compute_dtype(cfg))
     if net.config.max_position_embeddings < seq_len:
         raise ValueError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings "
                          f"{net.config.max_position_embeddings}")

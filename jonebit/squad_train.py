@@ -193,8 +193,12 @@ def read_squad_json(path: str | os.PathLike, flag: str) -> dict:
     return data
 
 
-def build_model(hf_dir: pathlib.Path, seed: int = 0):
-    """``BertForQuestionAnswering`` from ``hf_dir``; a head the checkpoint lacks is initialised from ``seed``."""
+def build_model(hf_dir: pathlib.Path, seed: int = 0, dtype=None):
+    """``BertForQuestionAnswering`` from ``hf_dir``; a head the checkpoint lacks is initialised from ``seed``.
+
+    ``dtype`` is the compute dtype (float32 parameters either way; None: float32).
+    """
+    import jax.numpy as jnp
     from flax import nnx
     from safetensors import safe_open
 
@@ -202,7 +206,7 @@ def build_model(hf_dir: pathlib.Path, seed: int = 0):
 
     with safe_open(str(hf_dir / "model.safetensors"), framework="numpy") as f:
         has_head = any(k.endswith("qa_outputs.weight") for k in f.keys())  # noqa: SIM118 (safe_open has no __iter__)
-    model = load_hf_checkpoint(hf_dir, model_cls=BertForQuestionAnswering,
+    model = load_hf_checkpoint(hf_dir, model_cls=BertForQuestionAnswering, dtype=dtype or jnp.float32,
                                rngs=nnx.Rngs(params=seed, dropout=seed + 1))
     if not has_head:
         print(f"{hf_dir} has no question-answering head: qa_outputs initialised fresh (seed {seed})")
@@ -369,7 +373,7 @@ def run(
     from jonebit.sharding.mesh import data_mesh
     from jonebit.train.config import ONEBIT_OPTIMIZERS, load_config
     from jonebit.train.engine import model_params
-    from jonebit.train.initialize import initialize
+    from jonebit.train.initialize import compute_dtype, initialize
     from jonebit.train.loop import ArrayBatches
 
     _check_positive(max_train_examples=max_train_examples, max_eval_examples=max_eval_examples, max_steps=max_steps,
@@ -444,7 +448,7 @@ def run(
               "(DeepSpeed's placement), which shrinks every compressed step when the clip binds; on SQuAD "
               "\"local_clip\": true in optimizer.params gained 3.6 F1 (benchmarks/BENCHMARKS.md)")
 
-    net = build_model(hf_dir, seed)
+    net = build_model(hf_dir, seed, dtype=compute_dtype(ds))
     if net.config.vocab_size != tokenizer.vocab_size:
         raise ValueError(f"--init {init} has vocab_size {net.config.vocab_size}, {vocab_file} has "
                          f"{tokenizer.vocab_size} tokens: pass the checkpoint's own vocab.txt with --vocab")

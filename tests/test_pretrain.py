@@ -97,3 +97,49 @@ def test_bad_arguments_exit_2_with_a_message(tmp_path, capsys, argv, message):
     err = capsys.readouterr().err
     assert code == 2, err
     assert re.search(message, err), err
+
+
+@pytest.mark.parametrize("precision,dtype", [("bf16", "bfloat16"), ("fp16", "float16"), (None, "float32")])
+def test_model_runs_its_matmuls_in_the_configured_precision(precision, dtype):
+    """The engine casts the float32 master parameters to the config's dtype; the model must be built in that dtype
+    too, or every Flax layer casts them back and the matmuls run in float32."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jonebit.pretrain import build_model, make_loss
+    from jonebit.train.config import load_config
+    from jonebit.train.initialize import compute_dtype
+
+    raw = {"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    if precision is not None:
+        raw[precision] = {"enabled": True}
+    want = compute_dtype(load_config(raw))
+    assert jnp.dtype(want).name == dtype
+    net = build_model("tiny", vocab_size=64, seq_len=16, seed=0, dtype=want)
+    graphdef, params, keys, rest = nnx.split(net, nnx.Param, nnx.RngState, ...)
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}  # float32 master parameters
+    batch = {"input_ids": jnp.ones((2, 16), jnp.int32), "attention_mask": jnp.ones((2, 16), jnp.int32),
+             "token_type_ids": jnp.zeros((2, 16), jnp.int32), "masked_lm_positions": jnp.zeros((2, 3), jnp.int32),
+             "masked_lm_ids": jnp.ones((2, 3), jnp.int32), "masked_lm_weights": jnp.ones((2, 3), jnp.float32),
+             "next_sentence_label": jnp.zeros((2,), jnp.int32)}
+    cast = jax.tree.map(lambda x: x.astype(want), params)  # what the engine hands the loss
+    jaxpr = jax.make_jaxpr(make_loss(graphdef, keys, rest))(cast, batch, jax.random.key(0))
+    dots = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    assert len(dots) >= 6  # q, k, v, attention output, two feed-forward matmuls at least
+    assert all(v.aval.dtype == jnp.dtype(want) for e in dots for v in e.invars), \
+        sorted({str(v.aval.dtype) for e in dots for v in e.invars})
+
+
+def _equations(jaxpr):
+    """Every equation of a jaxpr, sub-jaxprs (remat, custom derivatives, control flow) included."""
+    from jax.extend import core
+
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, list | tuple) else [param]:
+                if isinstance(sub, core.ClosedJaxpr):
+                    yield from _equations(sub.jaxpr)
+                elif isinstance(sub, core.Jaxpr):
+                    yield from _equations(sub)

@@ -148,6 +148,16 @@ class Engine:
                           variance_refresh=self.variance_refresh, **kw)
 
 
+def compute_dtype(config):
+    """The forward/backward dtype a config asks for: float16 (``fp16``), bfloat16 (``bf16``) or float32.
+
+    Build the model in this dtype too (``BertForPreTraining(..., dtype=compute_dtype(config))``): the engine casts
+    the float32 master parameters to it, but a Flax layer built with ``dtype=float32`` casts them back and runs its
+    matmuls in float32.
+    """
+    return jnp.float16 if config.fp16.enabled else jnp.bfloat16 if config.bf16.enabled else jnp.float32
+
+
 def initialize(
     config: str | os.PathLike | Mapping | DeepSpeedConfig,
     loss_fn: Callable,
@@ -205,7 +215,7 @@ def initialize(
     else:
         learning_rate = build_schedule(config.scheduler, opt) if opt is not None else None
     scaling = loss_scaling_from_config(config)
-    compute = jnp.float16 if config.fp16.enabled else jnp.bfloat16 if config.bf16.enabled else jnp.float32
+    compute = compute_dtype(config)
     zero = config.zero_optimization
     stage, offload = int(zero.stage), bool(zero.offload_optimizer.enabled)
     try:
