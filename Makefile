@@ -41,8 +41,10 @@ run: $(VENV)/.stamp-run
 demo: $(VENV)/.stamp-base
 	$(PY) -m jonebit.demo
 
+# One pytest worker per core (XLA compiles on one thread, so two workers on two cores nearly halve the run); a
+# test file stays on one worker, which keeps its module fixtures shared.
 test: $(VENV)/.stamp-dev $(VENV)/.stamp-mpi
-	PATH="$(VENV_PATH)" $(PY) -m pytest -q
+	PATH="$(VENV_PATH)" $(PY) -m pytest -q -n auto --dist loadfile --durations=20
 
 lint: $(VENV)/.stamp-dev
 	$(VENV)/bin/ruff check .

@@ -7,7 +7,19 @@ _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
+# One compilation cache for the whole run, shared with the subprocesses (CLI runs, multi-process and MPI ranks):
+# tests that compile a program another test already compiled load it instead. It lives and dies with the run, so
+# no run depends on an earlier one.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE = tempfile.mkdtemp(prefix="jonebit-test-xla-cache-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+else:
+    _CACHE = None
+
 import pathlib  # noqa: E402
+import shutil  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -21,3 +33,8 @@ def shared_data():
     if not path.is_dir():
         pytest.skip("../shared/data not present")
     return path
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _CACHE is not None and not hasattr(session.config, "workerinput"):
+        shutil.rmtree(_CACHE, ignore_errors=True)

@@ -159,6 +159,9 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
             run_defined_step(ns, line)
         elif re.search(r"^step = ", code, re.M):
             run_built_step(ns, before, line)
+        elif "jonebit.nnx.make_train_step(" in code:
+            # y = sum of 8 standard normals: an untrained model's loss is about 8-10.
+            assert float(ns["loss"]) < 1.0, f"README.md:{line}: the NNX block did not train (loss {ns['loss']})"
     assert ran >= 4
 
 

@@ -1,13 +1,15 @@
 """The three collectives the compressed allreduce and the 1-bit optimizers need.
 
-One small protocol with two implementations: :class:`AxisBackend` over a ``jax.shard_map`` mesh axis
-(``jax.lax`` collectives, any XLA backend) and :class:`MPIBackend` over an mpi4py communicator
-(``mpi4jax`` collectives inside ``jit``, one process per device). The algorithm in
-:mod:`jonebit.comm.compressed` only talks to this protocol, so both paths compute the same arithmetic.
+One small protocol with three implementations: :class:`AxisBackend` over a ``jax.shard_map`` mesh axis
+(``jax.lax`` collectives, any XLA backend), :class:`MPIBackend` over an mpi4py communicator (``mpi4jax``
+collectives inside ``jit``, one process per device) and :class:`LocalBackend`, one worker that communicates
+nothing (DeepSpeed with one rank). The algorithm in :mod:`jonebit.comm.compressed` only talks to this protocol, so
+every path computes the same arithmetic.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 import jax
@@ -50,6 +52,19 @@ def as_varying(x, axis_name: str):
         return x
 
 
+def bound_axes() -> dict[str, int] | None:
+    """The mesh axes bound where this is traced (inside ``jax.shard_map``) and their sizes; ``{}`` outside any.
+
+    ``None`` where this jax does not say (the lookup is not public API): then nothing is assumed.
+    """
+    try:
+        from jax._src import core
+
+        return {str(k): int(v) for k, v in core.get_axis_env().axis_sizes.items()}
+    except Exception:  # noqa: BLE001 - any change of the private API means "unknown"
+        return None
+
+
 class AxisBackend:
     """Collectives over the ``jax.shard_map`` mesh axis ``axis_name`` (construct while tracing the body)."""
 
@@ -57,9 +72,11 @@ class AxisBackend:
         try:
             self.size = int(lax.axis_size(axis_name))
         except NameError as e:
+            bound = bound_axes()
+            where = f"the enclosing shard_map binds {sorted(bound)}" if bound else "no shard_map encloses this"
             raise ValueError(
-                f"jonebit: mesh axis {axis_name!r} is not bound here. The compressed allreduce and the 1-bit "
-                f"optimizers must run inside `jax.shard_map` over a mesh that has an axis named {axis_name!r} "
+                f"jonebit: mesh axis {axis_name!r} is not bound here ({where}). The compressed allreduce and the "
+                f"1-bit optimizers must run inside `jax.shard_map` over a mesh that has an axis named {axis_name!r} "
                 "(the per-device view; pass axis_name=... to match your mesh), or in an MPI process with "
                 "mpi_comm=...."
             ) from e
@@ -193,10 +210,55 @@ class MPIBackend:
         return self.all_gather(acc).reshape(-1)[:n]
 
 
-def get_backend(axis_name: str | None = None, mpi_comm=None) -> Backend:
-    """The backend for ``axis_name`` (shard_map) or ``mpi_comm`` (MPI); exactly one must be given.
+class LocalBackend:
+    """One worker: every collective is the identity. The compression and its error feedback still apply, as in
+    DeepSpeed with one rank; nothing is communicated. The first collective traced says so in a log line (not
+    ``init``: an ``nnx.Optimizer`` is made outside any mesh before :func:`jonebit.nnx.make_train_step` re-creates
+    its state on one)."""
 
-    ``mpi_comm`` may be an mpi4py communicator or a ready :class:`MPIBackend` (to choose its ``mean``).
+    size = 1
+
+    def __init__(self, reason: str = "no mesh axis is bound and no mpi_comm was given"):
+        self.reason = reason
+
+    def all_to_all(self, x):
+        _tell_local(self.reason)
+        return x
+
+    def all_gather(self, x):
+        _tell_local(self.reason)
+        return x[None]
+
+    def mean(self, tree):
+        _tell_local(self.reason)
+        return tree
+
+    def max(self, x):
+        _tell_local(self.reason)
+        return x
+
+
+log = logging.getLogger("jonebit")
+_told_local = False
+
+
+def _tell_local(reason: str) -> None:
+    global _told_local
+    if not _told_local:
+        _told_local = True
+        log.warning(
+            "jonebit: %s, so the 1-bit optimizer runs as one worker: compression and error feedback apply, nothing "
+            "is communicated. For data parallelism run it per device: jonebit.nnx.make_train_step (Flax NNX) or "
+            "jonebit.train.data_parallel.make_step.", reason)
+
+
+def get_backend(axis_name: str | None = None, mpi_comm=None) -> Backend:
+    """The backend for ``axis_name`` (shard_map) or ``mpi_comm`` (MPI).
+
+    ``mpi_comm`` may be an mpi4py communicator or a ready :class:`MPIBackend` (to choose its ``mean``). Outside
+    any ``shard_map`` (or with ``axis_name=None`` and no ``mpi_comm``) the result is :class:`LocalBackend`, one
+    worker, with a log line the first time; inside a ``shard_map`` that does not bind ``axis_name`` it is an
+    error (a mistyped axis must not silently train each device on its own).
     """
     if mpi_comm is not None:
         if axis_name is not None:
@@ -205,5 +267,7 @@ def get_backend(axis_name: str | None = None, mpi_comm=None) -> Backend:
             return mpi_comm
         return MPIBackend(mpi_comm)
     if axis_name is None:
-        raise ValueError("jonebit: give axis_name (a shard_map mesh axis) or mpi_comm (an mpi4py communicator)")
+        return LocalBackend("axis_name=None and no mpi_comm was given")
+    if bound_axes() == {}:
+        return LocalBackend(f"no jax.shard_map binds mesh axis {axis_name!r} here and no mpi_comm was given")
     return AxisBackend(axis_name)

@@ -645,7 +645,8 @@ def test_worker_protocol_on_loopback(tmp_path):
 
     cmd = [sys.executable, str(ROOT / "benchmarks" / "cluster" / "worker.py"), "--coordinator",
            f"127.0.0.1:{free_port()}", "--num-processes", "2", "--model", "tiny", "--batch", "2", "--seq", "16",
-           "--repeats", "2", "--phases", "1", "--sync-dir", str(tmp_path), "--barrier-timeout", "200"]
+           "--repeats", "2", "--phases", "1", "--sync-dir", str(tmp_path), "--barrier-timeout", "200",
+           "--variants", "adam", "onebit"]  # the two this test checks; the others have their own tests
     procs = [subprocess.Popen(cmd + ["--process-id", str(i), "--out", str(tmp_path / f"w{i}.json")], cwd=ROOT,
                               env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]

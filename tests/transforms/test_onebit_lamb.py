@@ -190,8 +190,8 @@ def test_bad_trees_and_contexts():
     params = {"w": jnp.ones((4, 4))}
     with pytest.raises(ValueError, match=r"exp_avg_mask leaf \['w'\] has shape \(4,\)"):
         sharded_init(onebit_lamb(1e-3, freeze_step=2, exp_avg_mask={"w": jnp.ones(4)}), params, mesh)
-    with pytest.raises(ValueError, match="not bound"):
-        onebit_lamb(1e-3, freeze_step=2).init(params)  # outside shard_map
+    with pytest.raises(ValueError, match="'model' is not bound"):  # outside shard_map it is one worker
+        sharded_init(onebit_lamb(1e-3, freeze_step=2, axis_name="model"), params, mesh)
     tx = onebit_lamb(1e-3, freeze_step=2)
     state, specs = sharded_init(tx, params, mesh)
 
