@@ -116,7 +116,12 @@ def train_wordpiece(texts: Iterable[str], vocab_size: int, *, min_frequency: int
 
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 100:
         raise ValueError(f"vocab_size must be an int >= 100, got {vocab_size!r}")
-    tok = BertWordPieceTokenizer(lowercase=True, strip_accents=True, clean_text=True, handle_chinese_chars=True)
+    options = dict(lowercase=True, strip_accents=True, clean_text=True, handle_chinese_chars=True)
+    tok = BertWordPieceTokenizer(**options)
     tok.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=min_frequency,
                             special_tokens=list(SPECIAL_TOKENS), show_progress=False)
-    return _wrap(tok)
+    # The trainer's threads order tokens of equal count differently from run to run. WordPiece tokenizes by the
+    # longest match, whatever the ids, so a canonical order (the special tokens, then the rest sorted) gives the
+    # same ids, data and training on every run.
+    rest = sorted(t for t in tok.get_vocab() if t not in SPECIAL_TOKENS)
+    return _wrap(BertWordPieceTokenizer({t: i for i, t in enumerate([*SPECIAL_TOKENS, *rest])}, **options))

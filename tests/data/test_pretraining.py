@@ -271,3 +271,20 @@ def test_bert_uncased_vocab_ids():
     assert tok.vocab_size == 30522
     assert tok.encode_batch(["Hello, World!"])[0] == [7592, 1010, 2088, 999]
     assert tok.encode_batch(["CAFÉ"])[0] == tok.encode_batch(["cafe"])[0]  # lower-cased, accents stripped
+
+
+def test_trained_vocabulary_has_a_canonical_order(tmp_path):
+    """The trainer's threads order equal-count tokens differently from run to run: the ids follow a canonical
+    order instead (special tokens, then the rest sorted), so the same token set always gets the same ids. (The set
+    itself can still differ by a few tokens at the size cutoff, where the trainer breaks ties by hash order.)"""
+    from jonebit.data.pretraining import iter_texts
+    from jonebit.pretrain import embedded_corpus
+
+    corpus = embedded_corpus(tmp_path / "corpus.txt")
+    tok = train_wordpiece(iter_texts([corpus]), 2000)
+    assert tok.vocab[: len(SPECIAL_TOKENS)] == SPECIAL_TOKENS
+    assert list(tok.vocab[len(SPECIAL_TOKENS):]) == sorted(tok.vocab[len(SPECIAL_TOKENS):])
+    sentence = "Return the number of items in a container."
+    ids = tok.encode_batch([sentence])[0]
+    assert [tok.vocab[i] for i in ids] == tok.tokenizer.encode(sentence, add_special_tokens=False).tokens
+    assert len(ids) < len(sentence.split()) * 2  # real subwords, not characters
