@@ -251,6 +251,26 @@ def _prepare_data(args, out: pathlib.Path):
     return data_dir, vocab
 
 
+def _default_heldout(corpus) -> int:
+    """Documents held out for evaluation when --heldout-documents is not given: 6 of the embedded corpus; 5% of a
+    user's corpus (at least 2, at most 1,000), or none (said) when it has fewer than 8 documents."""
+    if not corpus:
+        return 6
+    from jonebit.data.pretraining import read_documents
+
+    for c in corpus:
+        if not pathlib.Path(c).is_file():
+            raise FileNotFoundError(f"no corpus file at {c}")
+    n = len(read_documents([pathlib.Path(c) for c in corpus]))
+    if n < 8:
+        print(f"evaluation skipped: the corpus has {n} documents, too few to hold any out (documents are separated "
+              "by blank lines; --heldout-documents N keeps N of them)")
+        return 0
+    held = min(1000, max(2, round(0.05 * n)))
+    print(f"holding out the last {held} of {n} documents for evaluation (--heldout-documents)")
+    return held
+
+
 def _table(results: list[RunResult]) -> str:
     lines = ["| run | final train loss | held-out MLM loss | MLM acc | NSP acc | MB sent per rank | bytes/step "
              "warmup | bytes/step compression | seconds |", "|---|---|---|---|---|---|---|---|---|"]
@@ -269,10 +289,11 @@ def _table(results: list[RunResult]) -> str:
             by_stage.setdefault(x["stage"], x["bytes_sent"])
         warm = by_stage.get("warmup", by_stage.get("full", float("nan")))
         comp = by_stage.get("compression", float("nan"))
-        lines.append(
-            f"| {r.name} | {sum(tail) / len(tail):.3f} | {last.get('eval/mlm_loss', float('nan')):.3f} | "
-            f"{last.get('eval/mlm_accuracy', float('nan')):.3f} | {last.get('eval/nsp_accuracy', float('nan')):.3f} "
-            f"| {sent / 1e6:.1f} | {warm:,.0f} | {comp:,.0f} | {r.seconds:.0f} |")
+        held = " | ".join(f"{last[k]:.3f}" if k in last else "-"
+                          for k in ("eval/mlm_loss", "eval/mlm_accuracy", "eval/nsp_accuracy"))
+        number = lambda v: "-" if v != v else f"{v:,.0f}"  # noqa: E731 - nan: no step of that stage
+        lines.append(f"| {r.name} | {sum(tail) / len(tail):.3f} | {held} | {sent / 1e6:.1f} | {number(warm)} | "
+                     f"{number(comp)} | {r.seconds:.0f} |")
     return "\n".join(lines)
 
 
@@ -294,7 +315,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-predictions", type=int, default=20, help="masked positions per instance (default 20)")
     p.add_argument("--dupe-factor", type=int, default=5, help="passes over the corpus with new masks (default 5)")
     p.add_argument("--whole-word-mask", action="store_true", help="mask whole words")
-    p.add_argument("--heldout-documents", type=int, default=None, help="documents kept for evaluation")
+    p.add_argument("--heldout-documents", type=int, default=None,
+                   help="documents kept for evaluation (default: 6 of the embedded corpus, 5%% of yours, 2 to 1,000)")
     p.add_argument("--eval-every", type=int, default=0, help="steps between held-out evaluations (0: at the end)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
     p.add_argument("--data-dir", help="instance cache (default OUTPUT/data)")
@@ -326,9 +348,9 @@ def main(args) -> int:
             print("jonebit pretrain: --max-steps is required with --config", file=sys.stderr)
             return 2
         args.max_steps = _DEFAULT_STEPS
-    if args.heldout_documents is None:
-        args.heldout_documents = 6 if not args.corpus else 0
     try:
+        if args.heldout_documents is None:
+            args.heldout_documents = _default_heldout(args.corpus)
         data_dir, vocab = _prepare_data(args, out)
         if embedded:
             configs = default_configs(args.max_steps, args.batch_size or 64)

@@ -143,3 +143,29 @@ def _equations(jaxpr):
                     yield from _equations(sub.jaxpr)
                 elif isinstance(sub, core.Jaxpr):
                     yield from _equations(sub)
+
+
+def test_a_users_corpus_is_evaluated_by_default(tmp_path, capsys):
+    """``--corpus FILE`` with no --heldout-documents holds out 5% of the documents and reports a held-out loss."""
+    from jonebit.data.pretraining import read_documents
+    from jonebit.pretrain import embedded_corpus
+
+    corpus = embedded_corpus(tmp_path / "mine.txt")  # the same sizes as run_dir's run: its programs are cached
+    n = len(read_documents([corpus]))
+    code = main(["pretrain", "--corpus", str(corpus), "--output", str(tmp_path / "run"), "--max-steps", "8",
+                 "--seq-len", "32", "--vocab-size", "400", "--dupe-factor", "1", "--batch-size", "32"])
+    assert code == 0
+    held = min(1000, max(2, round(0.05 * n)))
+    assert f"holding out the last {held} of {n} documents for evaluation" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    for arm in summary:
+        assert np.isfinite(arm["final"]["eval/mlm_loss"]) and arm["final"]["eval/mlm_loss"] > 0
+
+
+def test_too_small_a_corpus_says_evaluation_is_skipped(tmp_path, capsys):
+    from jonebit.pretrain import _default_heldout
+
+    small = tmp_path / "small.txt"
+    small.write_text("One sentence. Another one.\n\nA second document here.\n")
+    assert _default_heldout([str(small)]) == 0
+    assert "evaluation skipped: the corpus has 2 documents" in capsys.readouterr().out
