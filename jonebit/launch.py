@@ -27,6 +27,7 @@ stops them like a failure, and exits with code 124.
 from __future__ import annotations
 
 import argparse
+import collections
 import ctypes
 import dataclasses
 import os
@@ -50,6 +51,7 @@ TIMEOUT_EXIT_CODE = 124  # as coreutils ``timeout``: the job was stopped for run
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _POLL_SECONDS = 0.05
+ROOT_CAUSE_LINES = 12  # stderr lines of the first failing rank repeated at the end
 
 
 @dataclasses.dataclass
@@ -60,11 +62,13 @@ class _Rank:
     proc: subprocess.Popen
     last_line: str | None = None
     last_output: float | None = None  # time.monotonic() of the last line
+    # Its last stderr lines, for the root-cause report when it is the first to fail.
+    err_tail: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=ROOT_CAUSE_LINES))
 
 
-def _pump(stream, sink: TextIO, who: _Rank, lock: threading.Lock, activity: list[float]) -> None:
+def _pump(stream, sink: TextIO, who: _Rank, lock: threading.Lock, activity: list[float], tail=None) -> None:
     """Copies lines from a child's pipe to ``sink`` with a ``[rank R]`` prefix; one lock so lines never
-    interleave. Records each line and its time for the hang reports."""
+    interleave. Records each line and its time for the hang reports (and in ``tail``, the stderr ones)."""
     prefix = f"[rank {who.rank}] "
     for line in iter(stream.readline, ""):
         with lock:
@@ -76,6 +80,8 @@ def _pump(stream, sink: TextIO, who: _Rank, lock: threading.Lock, activity: list
             now = time.monotonic()
             who.last_line, who.last_output = line.rstrip("\n"), now
             activity[0] = now
+            if tail is not None:
+                tail.append(line.rstrip("\n"))
     stream.close()
 
 
@@ -197,6 +203,7 @@ def launch(
     received: list[int] = []
     start = time.monotonic()
     activity = [start]  # when any rank last printed a line
+    first_failure: list[tuple[_Rank, int]] = []
 
     def forward(signum, _frame):
         received.append(signum)
@@ -235,12 +242,12 @@ def launch(
             )
             ranks.append(_Rank(rank, p))
         for r in ranks:
-            for stream, sink in ((r.proc.stdout, stdout), (r.proc.stderr, stderr)):
-                t = threading.Thread(target=_pump, args=(stream, sink, r, lock, activity), daemon=True)
+            for stream, sink, tail in ((r.proc.stdout, stdout, None), (r.proc.stderr, stderr, r.err_tail)):
+                t = threading.Thread(target=_pump, args=(stream, sink, r, lock, activity, tail), daemon=True)
                 t.start()
                 pumps.append(t)
         limits = _Limits(start, timeout, no_progress_timeout, activity)
-        return _supervise(ranks, grace_period, received, limits, _Say(stderr, lock))
+        return _supervise(ranks, grace_period, received, limits, _Say(stderr, lock), first_failure)
     finally:
         for r in ranks:
             if r.proc.poll() is None:
@@ -248,6 +255,8 @@ def launch(
                 r.proc.wait()
         for t in pumps:
             t.join(timeout=2)
+        if first_failure:  # last, after every rank's output: what a reader sees first at the end of the log
+            _root_cause(*first_failure[0], _Say(stderr, lock))
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
 
@@ -296,9 +305,18 @@ def _running_report(ranks: Sequence[_Rank], now: float) -> list[str]:
     return lines
 
 
-def _supervise(ranks: Sequence[_Rank], grace_period: float, received: list[int], limits: _Limits, say) -> int:
+def _root_cause(rank: _Rank, code: int, say) -> None:
+    """Repeats the first failing rank's own last stderr lines at the very end, below the errors of the ranks
+    stopped after it (which fail in their collectives, with long tracebacks that are only consequences)."""
+    lines = [f"  {line}" for line in rank.err_tail] or ["  (nothing on stderr)"]
+    say(f"root cause: rank {rank.rank} {_describe(code)}, the first to fail; errors printed by the ranks stopped "
+        f"after it are secondary. Its last {len(rank.err_tail)} lines on stderr:", *lines)
+
+
+def _supervise(ranks: Sequence[_Rank], grace_period: float, received: list[int], limits: _Limits, say,
+               first_failure: list | None = None) -> int:
     """Waits for all processes; on the first failure, signal or expired limit stops the rest and returns the
-    job's code."""
+    job's code (the first failing rank and its code go to ``first_failure``)."""
     signalled_at = None
     while True:
         codes = [r.proc.poll() for r in ranks]
@@ -320,6 +338,8 @@ def _supervise(ranks: Sequence[_Rank], grace_period: float, received: list[int],
             r, code = failed[0]
             others = [o.rank for o, c in zip(ranks, codes, strict=True) if c is None]
             say(f"rank {r.rank} {_describe(code)}" + (f"; stopping ranks {others}" if others else ""))
+            if first_failure is not None:
+                first_failure.append((r, code))
             _stop(ranks, grace_period)
             return code if code > 0 else 128 + (-code)
         if all(c == 0 for c in codes):

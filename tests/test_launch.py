@@ -192,6 +192,12 @@ def test_failing_rank_stops_the_job(mode, code, message):
     assert rc == code, (out[-2000:], err[-3000:])
     assert f"jonebit launch: {message}" in err, err[-3000:]
     assert seconds < 150, seconds  # a hang guard: never jax's 300 s shutdown timeout
+    # The end of the log names the root cause, below rank 0's secondary errors from its interrupted collective.
+    block = err.splitlines()[-13:]  # the header and at most 12 of the rank's own stderr lines
+    assert any(line.startswith(f"jonebit launch: root cause: rank 1 exited with code {code}, the first to fail")
+               for line in block), err[-3000:]
+    if mode == "raise-before-collective":
+        assert any("RuntimeError: rank 1 fails on purpose" in line for line in err.splitlines()[-8:]), block
 
 
 def test_signal_is_forwarded_and_children_end():
