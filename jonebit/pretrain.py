@@ -322,6 +322,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--data-dir", help="instance cache (default OUTPUT/data)")
     p.add_argument("--overwrite-data", action="store_true", help="rebuild a cache built with other options")
     p.add_argument("--output", default="runs/pretrain", help="output directory (default runs/pretrain)")
+    p.add_argument("--resume", dest="resume", action="store_true", default=True,
+                   help="continue from the output directory's latest checkpoint if it has one (the default)")
     p.add_argument("--no-resume", dest="resume", action="store_false", help="refuse to continue an existing run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--devices", type=int, default=8,

@@ -556,6 +556,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-answer-length", type=int, default=30, help="longest answer in tokens (default 30)")
     p.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (0: at the end)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
+    p.add_argument("--resume", dest="resume", action="store_true", default=True,
+                   help="continue from the output directory's latest checkpoint if it has one (the default)")
     p.add_argument("--no-resume", dest="resume", action="store_false", help="refuse to continue an existing run")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     p.add_argument("--data-parallel", type=int, help="train on the first N devices (default: all of them)")

@@ -38,6 +38,7 @@ def test_pretrain_script_trains_with_a_deepspeed_config_and_resumes(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     second = _run([*argv, "--max-steps", "6"], tmp_path)  # continues from the checkpoint written at the end
     assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resuming from step 4 of {tmp_path / 'run' / 'checkpoints'}" in second.stdout
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     # DeepSpeed's freeze_step 3 -> 2 warmup updates, then compression, also after the resume.

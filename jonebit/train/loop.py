@@ -364,7 +364,9 @@ def train(
         state, meta = ckpt.restore(latest, state)
         batches.set_state(meta["data"])
         start = int(meta["step"])
-        log.info("resumed from %s at step %d", out / "checkpoints", start)
+        if jax.process_index() == 0 and (mpi is None or mpi.rank == 0):  # said, not only logged: it changes the run
+            print(f"resuming from step {start} of {out / 'checkpoints'} (to start over, use another output "
+                  "directory)", flush=True)
     elif not resume and ckpt.latest() is not None:
         raise FileExistsError(
             f"{out / 'checkpoints'} already holds checkpoints (latest step {ckpt.latest()}); pass resume=True to "
