@@ -7,6 +7,7 @@ import json
 import pathlib
 import re
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -148,8 +149,9 @@ def test_squad_hf_export_is_the_trained_model(squad_run, minilm):
     # ... by at most a few lr: lr is 0 at step 1 (warmup) and 1.5e-5 at step 2, where Adam without bias correction
     # moves a weight by lr * 0.1 / sqrt(0.001) = 3.2 lr.
     assert max(moved) < 1e-4
-    # The export is the model that answered: predicting again with it gives predictions.json.
-    assert _predict(out / "hf", json.loads(result_data(out).read_text()), 128, 64, "hf") == \
+    # The export is the model that answered: predicting again with it, in the config's fp16 as the run did, gives
+    # predictions.json.
+    assert _predict(out / "hf", json.loads(result_data(out).read_text()), 128, 64, "hf", dtype=jnp.float16) == \
         json.loads((out / "predictions.json").read_text())
 
 
@@ -157,8 +159,9 @@ def result_data(out: pathlib.Path) -> pathlib.Path:
     return pathlib.Path(json.loads((out / "eval.json").read_text())["data_file"])
 
 
-def _predict(init: pathlib.Path, data: dict, seq: int, query: int, kind: str = "fresh") -> dict:
-    """Predictions of ``init`` (its exported head, or a fresh one from seed 0) on ``data``, with the command's code."""
+def _predict(init: pathlib.Path, data: dict, seq: int, query: int, kind: str = "fresh", dtype=None) -> dict:
+    """Predictions of ``init`` (its exported head, or a fresh one from seed 0) on ``data``, with the command's code
+    (``dtype``: the compute dtype, the run's config's for its own model)."""
     from flax import nnx
 
     from jonebit.data.squad import convert_examples_to_features, load_squad
@@ -169,8 +172,8 @@ def _predict(init: pathlib.Path, data: dict, seq: int, query: int, kind: str = "
     tokenizer = load_wordpiece(init / "vocab.txt")
     examples = load_squad(data).examples
     features = convert_examples_to_features(examples, tokenizer, max_seq_length=seq, max_query_length=query)
-    model = (load_hf_checkpoint(init, model_cls=BertForQuestionAnswering, strict=True) if kind == "hf"
-             else build_model(init, seed=0))
+    model = (load_hf_checkpoint(init, model_cls=BertForQuestionAnswering, strict=True, dtype=dtype or jnp.float32)
+             if kind == "hf" else build_model(init, seed=0, dtype=dtype))
     graphdef, params, keys, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
     start, end = make_predict(graphdef, keys, rest)(params, features, 32, progress=False)
     return EvalSet(data, examples, features, tokenizer).answers(start, end)[0]
