@@ -134,7 +134,38 @@ def bad_config_checkpoint(tmp_path):
     return load_hf_checkpoint(path)
 
 
+def nnx_step_after_an_update():
+    import jonebit.nnx
+
+    model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    optimizer.update(model, nnx.grad(lambda m: jnp.mean(m(jnp.ones((2, 4))) ** 2))(model))
+    return jonebit.nnx.make_train_step(model, optimizer, lambda m, b: jnp.mean(m(b) ** 2), mesh())
+
+
+def nnx_step_without_an_optimizer():
+    import jonebit.nnx
+
+    model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+    return jonebit.nnx.make_train_step(model, optax.sgd(0.1), lambda m, b: jnp.mean(m(b) ** 2), mesh())
+
+
+def onebit_in_a_shard_map_without_its_axis():
+    other = jax.make_mesh((2,), ("model",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:2])
+    tx = jonebit.onebit_adam(1e-3, freeze_step=2)
+    return jax.shard_map(tx.init, mesh=other, in_specs=P(), out_specs=P(), check_vma=False)({"w": jnp.ones(4)})
+
+
 CASES = [
+    # --- Flax NNX entry point, and the 1-bit optimizers' axis
+    ("nnx-step-after-update", lambda _: nnx_step_after_an_update(),
+     ValueError, r"make_train_step: the optimizer has already taken 1 steps; make the train step before the first "
+                 r"update \(it creates the optimizer's state for the mesh\)"),
+    ("nnx-step-not-an-optimizer", lambda _: nnx_step_without_an_optimizer(),
+     TypeError, r"make_train_step: optimizer must be an nnx.Optimizer, got GradientTransformationExtraArgs"),
+    ("onebit-axis-not-bound", lambda _: onebit_in_a_shard_map_without_its_axis(),
+     ValueError, r"jonebit: mesh axis 'data' is not bound here \(the enclosing shard_map binds \['model'\]\)\. "
+                 r"The compressed allreduce and the 1-bit optimizers must run inside `jax\.shard_map`"),
     # --- data-parallel entry points
     ("shard_batch-scalar-leaf", lambda _: shard_batch({"x": np.ones((16, 2)), "step": np.float32(3)}, mesh()),
      ValueError, r"shard_batch: tree\['step'\] has shape \(\) but the batch layout P\('data',\) "
