@@ -14,6 +14,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from report import table  # noqa: E402, F401  (re-exported: the scripts import it from here)
 
 from jonebit.transforms.onebit_adam import state_specs  # noqa: E402
 
@@ -72,15 +73,3 @@ def write_json(name: str, payload: dict) -> pathlib.Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2))
     return path
-
-
-def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
-    """Markdown table; ``columns`` are (key, header)."""
-    def fmt(v):
-        if isinstance(v, float):
-            return f"{v:,.2f}" if abs(v) < 1e4 else f"{v:,.0f}"
-        return f"{v:,}" if isinstance(v, int) else str(v)
-
-    lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(r[k]) for k, _ in columns) + " |" for r in rows]
-    return "\n".join(lines)

@@ -78,11 +78,13 @@ ARGS = parse_args() if __name__ == "__main__" else None
 if ARGS is not None and ARGS.dry_run:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # report.py; common.py is not imported: it would force the CPU
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import report  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jonebit  # noqa: E402
@@ -150,16 +152,7 @@ def interleave(arms: dict, warmup: int, repeats: int, clock: Clock | None = None
 
 
 def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
-    def fmt(v):
-        if v is None:
-            return "-"
-        if isinstance(v, float):
-            return f"{v:,.3f}" if abs(v) < 100 else f"{v:,.0f}"
-        return str(v)
-
-    lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(r.get(k)) for k, _ in columns) + " |" for r in rows]
-    return "\n".join(lines)
+    return report.table(rows, columns, decimals=3, whole_above=100)
 
 
 def say(text: str = "") -> None:

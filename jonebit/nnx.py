@@ -26,7 +26,6 @@ from flax.nnx.training.optimizer import to_opt_state
 from jonebit.train.data_parallel import shard_batch
 from jonebit.train.engine import RankParams, init_train_state, model_params
 from jonebit.train.engine import make_train_step as make_engine_step
-from jonebit.train.onebit_zero import local_abstract_state
 from jonebit.transforms.onebit_adam import OneBitAdamState
 from jonebit.transforms.onebit_lamb import OneBitLambState
 from jonebit.transforms.onebit_zero import OneBitAdamZeroState
@@ -89,9 +88,8 @@ def make_train_step(
     graphdef, params, keys, rest = nnx.split(model, optimizer.wrt, nnx.RngState, ...)
     params = nnx.as_pure(params)  # arrays, without the Variable boxes: what the engine's trees hold
     tx = optimizer.tx
-    abstract = local_abstract_state(tx, jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params), mesh)
-    onebit = _communicates(abstract)
     state, specs = init_train_state(tx, params, mesh, axis=axis)
+    onebit = _communicates(state.opt_state)
     per_rank = isinstance(state.params, RankParams)
     has_keys = any(_is_key(x) for x in jax.tree.leaves(keys))
 

@@ -258,10 +258,7 @@ def _default_heldout(corpus) -> int:
         return 6
     from jonebit.data.pretraining import read_documents
 
-    for c in corpus:
-        if not pathlib.Path(c).is_file():
-            raise FileNotFoundError(f"no corpus file at {c}")
-    n = len(read_documents([pathlib.Path(c) for c in corpus]))
+    n = len(read_documents(corpus))  # raises FileNotFoundError naming a missing file
     if n < 8:
         print(f"evaluation skipped: the corpus has {n} documents, too few to hold any out (documents are separated "
               "by blank lines; --heldout-documents N keeps N of them)")

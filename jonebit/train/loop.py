@@ -364,7 +364,7 @@ def train(
         state, meta = ckpt.restore(latest, state)
         batches.set_state(meta["data"])
         start = int(meta["step"])
-        if jax.process_index() == 0 and (mpi is None or mpi.rank == 0):  # said, not only logged: it changes the run
+        if lead:  # said, not only logged: it changes the run
             print(f"resuming from step {start} of {out / 'checkpoints'} (to start over, use another output "
                   "directory)", flush=True)
     elif not resume and ckpt.latest() is not None:
