@@ -56,22 +56,47 @@ def functional(tx, grad_reduce, mesh):
     return params, losses
 
 
-@pytest.mark.parametrize("name", ["onebit_adam", "optax_adam"])
-def test_equals_the_functional_step(mesh, name):
-    tx, reduce = {"onebit_adam": (jonebit.onebit_adam(1e-2, freeze_step=5), None),
-                  "optax_adam": (optax.adam(1e-2), "mean")}[name]
+FREEZE = 5
+
+
+def test_adam_equals_the_functional_step(mesh):
+    """Standard optax Adam: the same per-device gradients, averaged, the same update, through two programs."""
+    tx = optax.adam(1e-2)
     model = MLP(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     step = jonebit.nnx.make_train_step(model, optimizer, loss_fn, mesh)
     losses = [float(step(model, optimizer, b)) for b in batches()]
-    want, want_losses = functional(tx, reduce, mesh)
+    want, want_losses = functional(tx, "mean", mesh)
     assert int(optimizer.step[...]) == STEPS
-    # Both compute each device's gradient of the same function on the same shard, then the same update: the
-    # programs differ in what surrounds them (the engine's non-finite check and counters), not in this arithmetic.
-    np.testing.assert_array_equal(losses, want_losses)
+    # The programs may sum the gradient mean in another order: relative differences of a few ulps (~1e-6) in g.
+    # Adam's step lr * m / sqrt(v) is at most ~lr = 1e-2 and inherits g's relative error, so 20 steps differ by at
+    # most 20 * 1e-2 * 1e-6 = 2e-7; 1e-5 leaves room for coordinates where g nearly cancels (error amplified).
     for a, b in zip(jax.tree.leaves(nnx.as_pure(nnx.state(model, nnx.Param))), jax.tree.leaves(want), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
+    # Losses (MSE ~ 1-10, gradients ~ 1-10 in each of 321 parameters) move by at most |grad| * |dparam| ~ 1e-3
+    # absolute for 1e-5 per parameter: 1e-3 relative to the smallest loss here (~1) bounds them.
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-3)
     assert losses[-1] < 0.2 * losses[0]
+
+
+def test_onebit_adam_follows_the_functional_step(mesh):
+    """1-bit Adam through two programs: elementwise agreement is asserted only before the first 1-bit step (a sign
+    that flips at 1 ulp moves a coordinate by two scales); after it, what flips cannot change."""
+    tx = jonebit.onebit_adam(1e-2, freeze_step=FREEZE)
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    step = jonebit.nnx.make_train_step(model, optimizer, loss_fn, mesh)
+    losses = [float(step(model, optimizer, b)) for b in batches()]
+    _, want_losses = functional(tx, None, mesh)
+    # Each loss comes from the parameters before its step: losses 1..FREEZE + 1 from warmup (Adam) parameters,
+    # which agree to ~2e-7 (see test_adam_equals_the_functional_step), so to 1e-3 relative as there.
+    np.testing.assert_allclose(losses[: FREEZE + 1], want_losses[: FREEZE + 1], rtol=1e-3)
+    # Both trained through 15 compressed steps to the same level: a flipped sign moves one coordinate by two
+    # scales for a step, after which error feedback carries the difference back; the loss stays within 10% where
+    # an untrained run or a broken compression is several times higher.
+    tail, want_tail = np.mean(losses[-5:]), np.mean(want_losses[-5:])
+    assert abs(tail - want_tail) <= 0.1 * want_tail, (tail, want_tail)
+    assert tail < 0.2 * losses[0]
 
 
 @pytest.mark.parametrize("name", ["zero_one_adam", "onebit_lamb"])

@@ -154,10 +154,12 @@ def test_compiled_collectives_move_uint8_and_the_formula_bytes(p, n):
 
 def test_outside_shard_map_is_one_worker_and_a_wrong_axis_an_error():
     x = jnp.arange(1.0, 17.0)
-    for kw in ({"axis_name": "data"}, {}):  # no shard_map encloses it: one worker, nothing communicated
+    # No shard_map encloses it: one worker. The output is the RMS of 1..16 with x's signs (all positive); its
+    # float32 evaluation (16 squares summed, a division, a square root) is within ~20 u = 1.2e-6 of float64.
+    for kw in ({"axis_name": "data"}, {}):
         out, _, _ = compressed_allreduce(x, jnp.zeros(16), jnp.zeros(16), **kw)
         np.testing.assert_allclose(np.asarray(out), np.full(16, np.sqrt(np.mean(np.square(np.arange(1.0, 17.0))))),
-                                   rtol=1e-6)
+                                   rtol=2e-6)
     mesh = jax.make_mesh((2,), ("model",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
     inside = jax.shard_map(lambda v: compressed_allreduce(v, jnp.zeros(16), jnp.zeros(8), axis_name="data")[0],
                            mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
