@@ -225,7 +225,9 @@ def run_hosts(hosts: int, args) -> dict:
                 rate, name = plan[k] if k < len(plan) else ("end", None)
                 if name is not None and (k == 0 or plan[k - 1][0] != rate):
                     cluster.set_rate(rate)
-                (sync_dir / f"phase{k}.go").write_text(rate)
+                tmp = sync_dir / f".phase{k}.go.tmp"  # written, then renamed: a worker never reads half a rate
+                tmp.write_text(rate)
+                tmp.replace(sync_dir / f"phase{k}.go")
                 print(f"  hosts={hosts} barrier {k}: {rate} {name or ''}", flush=True)
             for p, log in zip(procs, logs, strict=True):
                 rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))

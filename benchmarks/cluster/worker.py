@@ -311,11 +311,12 @@ def barrier(sync_dir: pathlib.Path, phase: int, pid: int, timeout: float) -> str
     (sync_dir / f"phase{phase}.p{pid}.waiting").write_text(str(time.time()))
     go = sync_dir / f"phase{phase}.go"
     deadline = time.monotonic() + timeout
-    while not go.exists():
+    # Polled on its content, not its existence: a driver that creates the file before filling it is not misread.
+    while not (rate := go.read_text().strip() if go.exists() else ""):
         if time.monotonic() > deadline:
             raise TimeoutError(f"worker {pid}: no go for phase {phase} from the driver after {timeout} s")
         time.sleep(0.05)
-    return go.read_text().strip()
+    return rate
 
 
 def main(args) -> None:

@@ -657,7 +657,8 @@ def test_worker_protocol_on_loopback(tmp_path):
                 assert all(p.poll() is None for p in procs), [p.communicate()[0][-2000:] for p in procs]
                 assert time.monotonic() < deadline, "workers did not reach the barrier"
                 time.sleep(0.2)
-            (tmp_path / f"phase{phase}.go").write_text(go)
+            (tmp_path / f".phase{phase}.go.tmp").write_text(go)  # as run.py: written, then renamed
+            (tmp_path / f".phase{phase}.go.tmp").replace(tmp_path / f"phase{phase}.go")
         outs = [p.communicate(timeout=120)[0] for p in procs]
     finally:
         for p in procs:
