@@ -42,7 +42,7 @@ def loss_fn(params, batch):
 
 def _state_parts(state) -> dict:
     """Per-device bytes of the named parts of an optimizer state (1-bit or optax Adam)."""
-    from jonebit.transforms.onebit_zero import OneBitAdamZeroState
+    from jonebit.transforms.onebit_adam_zero import OneBitAdamZeroState
 
     parts = {}
     for node in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, OneBitAdamZeroState | jonebit.OneBitAdamState

@@ -52,6 +52,7 @@ def main(argv=None) -> dict:
     from jonebit.comm.accounting import comm_report
     from jonebit.models import tiny_lm
     from jonebit.train.data_parallel import data_mesh, init_optimizer, make_step, replicate, shard_batch
+    from jonebit.transforms.base import phase_names
 
     text = corpus()
     chars = sorted(set(text))
@@ -90,9 +91,11 @@ def main(argv=None) -> dict:
         step = make_step(loss, tx, mesh, specs, grad_reduce=reduce)
         first = shard_batch(batches[0], mesh)
         report = comm_report(step.lower(params, opt_state, first).compile().as_text(), mesh.size)
-        # The loss report is a 4-byte all-reduce in every program; 1-bit Adam's stages are the cond branches.
-        if report.branches:
-            warm, comp = report.branch_bytes(1), report.branch_bytes(0)
+        # The loss report is a 4-byte all-reduce in every program; 1-bit Adam's phases are its switch's branches.
+        names = phase_names(opt_state)
+        if names is not None and report.branches:
+            sent = report.phase_bytes(names)
+            warm, comp = sent["warmup"], sent["compression"]
         else:
             warm = comp = report.always_bytes
         losses = []

@@ -27,8 +27,8 @@ from jonebit.train.data_parallel import shard_batch
 from jonebit.train.engine import RankParams, init_train_state, model_params
 from jonebit.train.engine import make_train_step as make_engine_step
 from jonebit.transforms.onebit_adam import OneBitAdamState
+from jonebit.transforms.onebit_adam_zero import OneBitAdamZeroState
 from jonebit.transforms.onebit_lamb import OneBitLambState
-from jonebit.transforms.onebit_zero import OneBitAdamZeroState
 from jonebit.transforms.zero_one_adam import ZeroOneAdamState
 
 # Optimizers that take each rank's local gradient and communicate themselves (the others get the mean).

@@ -32,7 +32,7 @@ import sys
 import time
 from typing import Any
 
-from jonebit.transforms.onebit_adam import adam_ratio_bound
+from jonebit.experimental import adam_ratio_bound
 
 log = logging.getLogger(__name__)
 

@@ -72,7 +72,7 @@ def call_make_update(grads):
 
 
 def call_zero_step(b, stage=1, onebit=False):
-    tx = jonebit.onebit_adam(1e-2, freeze_step=2, zero_stage=stage) if onebit else optax.adam(1e-2)
+    tx = jonebit.onebit_adam_zero(1e-2, freeze_step=2, stage=stage) if onebit else optax.adam(1e-2)
     params, state, sh = init_zero(tx, params0(), mesh(), stage=stage)
     return make_zero_step(loss_fn, tx, mesh(), sh, donate=False)(params, state, b)
 

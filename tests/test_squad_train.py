@@ -311,7 +311,7 @@ def test_configs_scale_the_batch_and_keep_the_rest(tmp_path):
     assert onebit["optimizer"]["params"]["freeze_step"] == 21  # 20 Adam steps (DeepSpeed's F - 1), then compression
     assert onebit["optimizer"]["params"]["bias_correction"] is True and onebit["train_batch_size"] == 96
     # The options that fine-tuned closest to Adam are on; Adam's own ratio bound is the clip.
-    from jonebit import adam_ratio_bound
+    from jonebit.experimental import adam_ratio_bound
 
     params = onebit["optimizer"]["params"]
     assert params["preconditioned"] is True and params["local_clip"] is True and "variance_refresh" not in params

@@ -125,6 +125,18 @@ class CommReport:
         """Bytes of one step that takes ``branch`` of the given conditional (plus the unconditional ones)."""
         return self.always_bytes + _total(self.branches[conditional][branch])
 
+    def phase_bytes(self, phases: tuple[str, ...]) -> dict[str, float]:
+        """Bytes of one step per phase of an optimizer whose update switches between ``phases`` (its state's names,
+        :func:`jonebit.transforms.base.phase_names`, in the order of its compiled branches): the program's first
+        conditional."""
+        if not self.branches:
+            return {}
+        branches = self.branches[0]
+        if len(branches) > len(phases):
+            raise ValueError(f"phase_bytes: the program's first conditional has {len(branches)} branches, more than "
+                             f"the {len(phases)} phases {phases}")
+        return {name: self.branch_bytes(i) for i, name in enumerate(phases[:len(branches)])}
+
     def ops(self, branch: int | None = None, conditional: int = 0) -> list[str]:
         """Op names executed (all unconditional ones, plus one branch's when ``branch`` is given)."""
         extra = () if branch is None else self.branches[conditional][branch]

@@ -140,7 +140,7 @@ def register_per_rank_state(cls: type, rule) -> None:
     _PER_RANK_RULES.append((cls, rule))
 
 
-def _per_rank_rule(node):
+def per_rank_rule(node):
     for cls, rule in _PER_RANK_RULES:
         if isinstance(node, cls):
             return rule
@@ -148,7 +148,7 @@ def _per_rank_rule(node):
 
 
 def _is_special(node) -> bool:
-    return _per_rank_rule(node) is not None
+    return per_rank_rule(node) is not None
 
 
 def _tree_specs(tree, mesh, axis: str, partition: bool, what: str):
@@ -166,7 +166,7 @@ def opt_state_specs(opt_state, mesh, axis: str, partition: bool):
     """Specs of an optimizer state: the ZeRO rule per leaf, registered per-rank buffers on the data axis."""
 
     def node_specs(path, node):
-        rule = _per_rank_rule(node)
+        rule = per_rank_rule(node)
         if rule is None:
             return _tree_specs(node, mesh, axis, partition, "opt_state" + jax.tree_util.keystr(path))
         fixed = rule(node, axis)

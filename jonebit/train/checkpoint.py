@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jonebit.transforms.onebit_adam import is_onebit_state
-from jonebit.transforms.onebit_zero import OneBitAdamZeroState
+from jonebit.transforms.onebit_adam_zero import OneBitAdamZeroState
 
 log = logging.getLogger(__name__)
 

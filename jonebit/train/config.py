@@ -201,7 +201,7 @@ _AUTO_FREEZE_KEYS = ("min_step", "max_step", "check_every", "threshold", "patien
 
 
 def _statistic(v, k):
-    from jonebit.transforms.common import AUTO_STATISTICS
+    from jonebit.transforms.base import AUTO_STATISTICS
 
     if v not in AUTO_STATISTICS:
         raise ConfigError(k, f"must be one of {', '.join(repr(x) for x in AUTO_STATISTICS)}, got {v!r}")
@@ -226,7 +226,7 @@ def _auto_freeze(v, k):
                 out[name] = _float(v[name], key, positive=True)
             else:
                 out[name] = _int(v[name], key, minimum=1)
-    from jonebit.transforms.common import AutoFreeze
+    from jonebit.transforms.base import AutoFreeze
 
     rule = AutoFreeze(**out)
     if rule.max_step < rule.min_step:
@@ -1051,8 +1051,13 @@ def _apply_cuda_aware(cuda_aware: bool) -> None:
                     "environment's CUDA-aware MPI", env)
 
 
+RESEARCH_KEYS = ("row_scales", "preconditioned", "clip_ratio", "variance_refresh", "local_clip")
+
+
 def _build_onebit_adam(params: dict, learning_rate, options: dict) -> optax.GradientTransformation:
+    from jonebit.experimental import OneBitAdamOptions
     from jonebit.transforms.onebit_adam import onebit_adam
+    from jonebit.transforms.onebit_adam_zero import onebit_adam_zero
 
     if params["eps_inside_sqrt"]:
         log.warning("optimizer.params.eps_inside_sqrt: ignored, as DeepSpeed's 1-bit Adam does (eps is added to "
@@ -1062,31 +1067,43 @@ def _build_onebit_adam(params: dict, learning_rate, options: dict) -> optax.Grad
                     "gradient_clipping")
     mpi_comm = _onebit_comm(params, options)
     b1, b2 = params["betas"]
+    research = {k: params[k] for k in RESEARCH_KEYS if params[k] not in (None, False)}
+    stage = options["zero_stage"]
+    if stage:
+        unsupported = [*research, *(["freeze_step \"auto\""] if params["freeze_step"] == "auto" else []),
+                       *(["comm_backend_name \"mpi\""] if mpi_comm is not None else [])]
+        if unsupported:
+            raise ValueError(f"onebit_adam_zero: {', '.join(unsupported)} is available at ZeRO stage 0 only, got "
+                             f"zero_optimization.stage {stage}; use stage 0 or drop it")
+        return onebit_adam_zero(
+            learning_rate, freeze_step=params["freeze_step"] - 1, stage=stage, b1=b1, b2=b2, eps=params["eps"],
+            weight_decay=params["weight_decay"], exp_avg_mask=options.get("exp_avg_mask"),
+            bias_correction=params["bias_correction"], fused=options["fused"],
+            axis_name=options.get("axis_name", "data"),
+        )
     return onebit_adam(
         learning_rate,
-        **_freeze_kwargs(params),
+        freeze_step=_freeze_step(params),
         b1=b1, b2=b2, eps=params["eps"], weight_decay=params["weight_decay"],
         bias_correction=params["bias_correction"], mask_unseen=params["mask_unseen"],
-        row_scales=params["row_scales"], preconditioned=params["preconditioned"], clip_ratio=params["clip_ratio"],
-        variance_refresh=params["variance_refresh"], local_clip=params["local_clip"],
         exp_avg_mask=options.get("exp_avg_mask"),
         fused=options["fused"],
         max_grad_norm=options.get("max_grad_norm"),
         axis_name=None if mpi_comm is not None else options.get("axis_name", "data"),
         mpi_comm=mpi_comm,
-        zero_stage=options["zero_stage"],
+        experimental=OneBitAdamOptions(**research) if research else None,
     )
 
 
-def _freeze_kwargs(params: dict) -> dict:
+def _freeze_step(params: dict):
     """``freeze_step`` (DeepSpeed's ``F`` is ``F - 1`` here: its first ``step()`` only initialises, see the module
-    docstring), or ``"auto"`` with its ``auto_freeze`` rule (jonebit's update counts, not shifted)."""
+    docstring), or with ``"auto"`` its rule (jonebit's update counts, not shifted)."""
     if params["freeze_step"] == "auto":
-        from jonebit.transforms.common import AutoFreeze
+        from jonebit.transforms.base import AutoFreeze
 
         rule = params.get("auto_freeze")
-        return {"freeze_step": "auto", "auto_freeze": AutoFreeze(**rule) if rule is not None else None}
-    return {"freeze_step": params["freeze_step"] - 1}
+        return AutoFreeze(**rule) if rule is not None else "auto"
+    return params["freeze_step"] - 1
 
 
 def _onebit_comm(params: dict, options: dict):
@@ -1141,7 +1158,7 @@ def _build_onebit_lamb(params: dict, learning_rate, options: dict) -> optax.Grad
 
     return onebit_lamb(
         learning_rate,
-        **_freeze_kwargs(params),  # as for OneBitAdam
+        freeze_step=_freeze_step(params),  # as for OneBitAdam
         max_coeff=params["max_coeff"], min_coeff=params["min_coeff"], coeff_beta=params["coeff_beta"],
         factor_max=params["factor_max"], factor_min=params["factor_min"],
         factor_threshold=params["factor_threshold"],
@@ -1281,7 +1298,7 @@ def describe(config: DeepSpeedConfig, dp_size: int, *, steps=None) -> str:
 
 
 def _auto_text(params) -> str:
-    from jonebit.transforms.common import AutoFreeze
+    from jonebit.transforms.base import AutoFreeze
 
     rule = AutoFreeze(**(params.get("auto_freeze") or {}))
     what = {"median": "the median tensor's", "max": "every tensor's", "global": "the global"}[rule.statistic]

@@ -28,7 +28,7 @@ standard optimizer, the summed float32 gradient is **reduce-scattered once** int
 optimizer state's, stages 2-3: the gradients'), and the update runs in the global view on the partitioned state
 (parameters all-gathered back at stages 1-2, optimizer state moved from and to host memory with
 ``offload_optimizer``); a skipped step selects the old parameters and state leaf by leaf. A 1-bit optimizer made
-with ``onebit_adam(..., zero_stage=k)`` keeps its own layouts and communication (stage 3: the parameters are
+with ``onebit_adam_zero(..., stage=k)`` keeps its own layouts and communication (stage 3: the parameters are
 :class:`~jonebit.train.onebit_zero.FlatParams`), and runs in the per-device view like stage 0.
 
 **0/1 Adam** moves each rank's parameters on their own during its local steps, so the state holds one copy per
@@ -277,7 +277,7 @@ def init_train_state(
       loss_scaling: the :class:`LossScaling` whose initial state to use (``None``: a constant scale of 1).
       axis: the data-parallel mesh axis.
       zero_stage: 0-3, where params and optimizer state live (:func:`jonebit.sharding.zero_shardings`; the
-        1-bit optimizers use their own layouts, :mod:`jonebit.transforms.onebit_zero`).
+        1-bit optimizers use their own layouts, :mod:`jonebit.transforms.onebit_adam_zero`).
       offload_optimizer: keep the optimizer state in host memory between steps (stages 1-3; the backend must
         offer ``pinned_host`` memory).
     """
@@ -293,7 +293,7 @@ def init_train_state(
     if onebit is not None and onebit_stage(onebit) != stage:
         raise ValueError(
             f"init_train_state: zero_stage={stage} but the 1-bit optimizer was built for ZeRO stage "
-            f"{onebit_stage(onebit)}: make it with jonebit.onebit_adam(..., zero_stage={stage}) (its state layout "
+            f"{onebit_stage(onebit)}: make it with jonebit.onebit_adam_zero(..., stage={stage}) (its state layout "
             "depends on the stage)"
         )
     if stage == 0:
@@ -688,11 +688,7 @@ def make_train_step(
         return comm_report(update.lower(*abstract, stacked).compile().as_text(), mesh.size)
 
     def onebit_zero_report(state: TrainState):
-        """Like ``tx_report`` for a 1-bit optimizer under ZeRO, whose update is a three-way ``lax.switch``
-        (warmup, first compression step, compression); its branches come back in the loop's order of the
-        stage-0 ``lax.cond``: ``(compression, warmup)``."""
-        import dataclasses as dc
-
+        """Like ``tx_report`` for 1-bit Adam under ZeRO (its branches are the phases its state names)."""
         from jonebit.comm.accounting import comm_report
 
         def body(params, opt_state, grads):
@@ -714,11 +710,7 @@ def make_train_step(
         sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
         params = jax.tree.map(lambda x: sds(x, x.sharding), state.params)
         opt_state = jax.tree.map(sds, state.opt_state, state_dev)
-        report = comm_report(jax.jit(mapped).lower(params, opt_state, stacked).compile().as_text(), mesh.size)
-        if report.branches and len(report.branches[0]) >= 3:  # (warmup, first compression, compression[, skip])
-            first = report.branches[0]
-            report = dc.replace(report, branches=((first[2], first[0]), *report.branches[1:]))
-        return report
+        return comm_report(jax.jit(mapped).lower(params, opt_state, stacked).compile().as_text(), mesh.size)
 
     step.jitted = jitted
     step.compiled = compiled

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import optax
 
 from jonebit.sharding.mesh import data_mesh
-from jonebit.sharding.zero import _per_rank_rule
+from jonebit.sharding.zero import per_rank_rule
 from jonebit.train.config import (
     ONEBIT_OPTIMIZERS,
     BatchSizes,
@@ -56,7 +56,7 @@ __all__ = ["Engine", "initialize", "loss_scaling_from_config"]
 
 def _is_local_gradient_state(node) -> bool:
     """A state whose transform takes each rank's local gradient and communicates itself (the 1-bit family)."""
-    return is_onebit_state(node) or _per_rank_rule(node) is not None
+    return is_onebit_state(node) or per_rank_rule(node) is not None
 
 
 def loss_scaling_from_config(config: DeepSpeedConfig) -> LossScaling | None:
@@ -85,10 +85,8 @@ class Engine:
         :class:`~jonebit.train.engine.RankParams`; :attr:`params` gives the ordinary tree in every case).
       learning_rate: the schedule (a function of the optimizer's update count) or a constant.
       freeze_step: jonebit's ``freeze_step`` of a 1-bit optimizer (DeepSpeed's minus one), ``"auto"`` when the
-        optimizer decides it (see :func:`jonebit.train.loop.decided_freeze_step`), else ``None``.
+        optimizer decides it (its state's ``freeze_at`` holds the decision), else ``None``.
       mesh: the data-parallel mesh (under MPI: this process's one device).
-      variance_refresh: 1-bit Adam's ``variance_refresh`` (every K-th update after the freeze is a float32
-        refresh), else ``None``; names those steps ``"refresh"`` in the metrics.
       mpi_comm: with ``comm_backend_name: "mpi"``, the engine's duplicate of ``MPI.COMM_WORLD`` (each process is
         one data-parallel rank and feeds its own slice of every global batch); else ``None``.
     """
@@ -102,7 +100,6 @@ class Engine:
     freeze_step: int | str | None
     mesh: jax.sharding.Mesh
     mpi_comm: Any = None
-    variance_refresh: int | None = None
 
     @property
     def params(self):
@@ -133,19 +130,14 @@ class Engine:
                 f"Engine.train under MPI: ArrayBatches has shard={shard}, but this process is rank "
                 f"{self.process_index} of {self.process_count} and must read only its slice of each global batch; "
                 "pass shard=(engine.process_index, engine.process_count)")
-        if loop.freeze_step is None and self.freeze_step is not None:
-            loop = dataclasses.replace(loop, freeze_step=self.freeze_step)
-        if loop.variance_refresh is None and self.variance_refresh is not None:
-            loop = dataclasses.replace(loop, variance_refresh=self.variance_refresh)
         kw.setdefault("lr_schedule", self.learning_rate)
         self.state = train(self.step, self.state, batches, loop, **kw)
         return self.state
 
     def loop_config(self, output_dir, max_steps: int, **kw) -> LoopConfig:
-        """A :class:`LoopConfig` with the config's ``steps_per_print`` and this engine's ``freeze_step``."""
+        """A :class:`LoopConfig` with the config's ``steps_per_print``."""
         kw.setdefault("steps_per_print", self.config.steps_per_print)
-        return LoopConfig(output_dir=output_dir, max_steps=max_steps, freeze_step=self.freeze_step,
-                          variance_refresh=self.variance_refresh, **kw)
+        return LoopConfig(output_dir=output_dir, max_steps=max_steps, **kw)
 
 
 def compute_dtype(config):
@@ -230,18 +222,17 @@ def initialize(
     # A 1-bit optimizer (from the config or given) does its own communication on local gradients.
     onebit = any(_is_local_gradient_state(n)
                  for n in jax.tree.leaves(state.opt_state, is_leaf=_is_local_gradient_state))
-    freeze_step = variance_refresh = None
+    freeze_step = None
     if onebit and opt is not None and opt.type in ONEBIT_OPTIMIZERS and "freeze_step" in opt.params:
-        f = opt.params["freeze_step"]  # "auto": the loop reads the decided point from the optimizer state
+        f = opt.params["freeze_step"]
         freeze_step = "auto" if f == "auto" else int(f) - 1
-        variance_refresh = opt.params.get("variance_refresh")
     step = make_train_step(
         loss_fn, tx, mesh, specs, accumulation_steps=batch.gradient_accumulation_steps, compute_dtype=compute,
         loss_scaling=scaling, grad_reduce=None if onebit else "mean", axis=axis, has_aux=has_aux,
         rng_seed=rng_seed, zero_stage=stage, offload_optimizer=offload, mpi_comm=mpi_comm,
     )
     return Engine(config=config, batch=batch, tx=tx, step=step, state=state, learning_rate=learning_rate,
-                  freeze_step=freeze_step, mesh=mesh, mpi_comm=mpi_comm, variance_refresh=variance_refresh)
+                  freeze_step=freeze_step, mesh=mesh, mpi_comm=mpi_comm)
 
 
 def _mpi_world():

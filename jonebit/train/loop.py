@@ -23,8 +23,8 @@
 
 ``bytes_sent`` is this rank's collective traffic for the step, read once from the compiled programs
 (:mod:`jonebit.comm.accounting`): the engine's own collectives plus the optimizer's collectives of the stage the
-step ran in (1-bit optimizers: ``"warmup"`` or ``"compression"``, from the optimizer's update count and
-``freeze_step``; other optimizers: ``"full"``; skipped steps: ``"skipped"``). It is NaN under MPI and with
+step ran in (1-bit optimizers: the phase their state names, e.g. ``"warmup"`` or ``"compression"``; other
+optimizers: ``"full"``; skipped steps: ``"skipped"``). It is NaN under MPI and with
 0/1 Adam, whose variance, 1-bit, local and sync steps the loop does not tell apart (``benchmarks/family_bytes.py``
 has their bytes).
 """
@@ -46,6 +46,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jonebit.train.engine import TrainState
+from jonebit.transforms.base import last_phase, phase_names
 
 log = logging.getLogger(__name__)
 
@@ -158,10 +159,6 @@ class LoopConfig:
       async_checkpoint: write checkpoints in the background while training continues.
       progress_bar: show a tqdm bar.
       tensorboard: write TensorBoard event files.
-      freeze_step: the 1-bit optimizer's ``freeze_step`` (names the stage in the metrics); ``"auto"`` when the
-        optimizer decides it (the stage is then read from the optimizer state's ``freeze_at``); ``None`` for others.
-      variance_refresh: 1-bit Adam's ``variance_refresh`` K: every K-th update after the freeze is named
-        ``"refresh"`` (a float32 allreduce) instead of ``"compression"``.
       tokens_per_example: multiplies examples/s into ``tokens_per_s`` (e.g. the sequence length).
       eval_every: steps between calls of ``train``'s ``evaluate`` (0: only at the end when one is given); their
         results go into that step's metrics record as ``eval/<name>``.
@@ -177,10 +174,8 @@ class LoopConfig:
     async_checkpoint: bool = True
     progress_bar: bool = True
     tensorboard: bool = True
-    freeze_step: int | str | None = None
     tokens_per_example: int = 1
     eval_every: int = 0
-    variance_refresh: int | None = None
 
     def __post_init__(self):
         for name, low in (("max_steps", 1), ("checkpoint_every", 0), ("keep_checkpoints", 1), ("log_every", 1),
@@ -188,12 +183,6 @@ class LoopConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
                 raise ValueError(f"LoopConfig.{name} must be an int >= {low}, got {value!r}")
-        if self.freeze_step is not None and self.freeze_step != "auto" and (isinstance(self.freeze_step, bool) or not
-                isinstance(self.freeze_step, int | np.integer) or self.freeze_step < 1):
-            raise ValueError(f"LoopConfig.freeze_step must be an int >= 1, \"auto\" or None, got {self.freeze_step!r}")
-        if self.variance_refresh is not None and (isinstance(self.variance_refresh, bool) or not isinstance(
-                self.variance_refresh, int | np.integer) or self.variance_refresh < 1):
-            raise ValueError(f"LoopConfig.variance_refresh must be an int >= 1 or None, got {self.variance_refresh!r}")
         if self.nonfinite not in ("skip", "raise"):
             raise ValueError(f"LoopConfig.nonfinite must be 'skip' or 'raise', got {self.nonfinite!r}")
         for name in ("async_checkpoint", "progress_bar", "tensorboard"):
@@ -291,11 +280,9 @@ def _stage_bytes(step, state: TrainState, batch) -> dict[str, float]:
     tx_report = getattr(step, "tx_report", None)
     if tx_report is not None:
         tx_report = tx_report(state)
-        if tx_report.branches:
-            out["warmup"] = base + tx_report.branch_bytes(1)
-            out["compression"] = base + tx_report.branch_bytes(0)
-            if len(tx_report.branches[0]) > 3:  # onebit_adam(variance_refresh=K): the refresh branch
-                out["refresh"] = base + tx_report.branch_bytes(3)
+        names = phase_names(state.opt_state)
+        if names is not None and tx_report.branches:
+            out.update({name: base + sent for name, sent in tx_report.phase_bytes(names).items()})
         out["full"] = base + tx_report.always_bytes
     return out
 
@@ -487,32 +474,12 @@ def _truncate_metrics(path: pathlib.Path, step: int) -> None:
     path.write_text("".join(k + "\n" for k in keep))
 
 
-def decided_freeze_step(opt_state) -> int | None:
-    """The freeze point a 1-bit optimizer with ``freeze_step="auto"`` keeps in its state (``freeze_at``: the cap until
-    its rule fires, then the update it fired on); ``None`` if the state holds none."""
-    def is_leaf(x):
-        return hasattr(x, "freeze_at") and hasattr(x, "_fields")
-
-    for node in jax.tree.leaves(opt_state, is_leaf=is_leaf):
-        if is_leaf(node) and node.freeze_at is not None:
-            return int(jax.device_get(node.freeze_at))
-    return None
-
-
 def _record(n, state, metrics, config, lr_schedule, stage_bytes, examples_per_s, seconds_per_step) -> dict:
     m = jax.device_get(metrics)
     skipped = bool(m["skipped"])
     count = int(jax.device_get(state.step - state.skipped)) - (0 if skipped else 1)  # updates before this step
-    if skipped:
-        stage = "skipped"
-    elif config.freeze_step is None:
-        stage = "full"
-    else:
-        freeze = config.freeze_step if config.freeze_step != "auto" else decided_freeze_step(state.opt_state)
-        stage = "warmup" if freeze is None or count < freeze else "compression"
-        k = config.variance_refresh
-        if stage == "compression" and k is not None and (count + 1 - freeze) % k == 0:
-            stage = "refresh"
+    # The phase the optimizer's state says its last update ran (1-bit optimizers), else one "full" kind of step.
+    stage = "skipped" if skipped else (last_phase(state.opt_state) or "full")
     if callable(lr_schedule):
         lr = float(lr_schedule(count))
     else:

@@ -1,4 +1,4 @@
-"""Training steps for the 1-bit optimizers under ZeRO stages 1-3 (see :mod:`jonebit.transforms.onebit_zero`).
+"""Training steps for the 1-bit optimizers under ZeRO stages 1-3 (see :mod:`jonebit.transforms.onebit_adam_zero`).
 
 The 1-bit optimizers own their communication and need each rank's local gradient, so the whole step runs in the
 per-device view inside ``jax.shard_map``: forward and backward on the local batch shard, then ``tx.update`` on the
@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jonebit.sharding.zero import OFFLOAD_MEMORY_KIND, ZeroShardings, _check_offload, place_copy, to_shardings
 from jonebit.transforms.onebit_adam import OneBitAdamState, is_onebit_state, state_specs
-from jonebit.transforms.onebit_zero import FlatLayout, OneBitAdamZeroState
+from jonebit.transforms.onebit_adam_zero import FlatLayout, OneBitAdamZeroState
 
 P = PartitionSpec
 
@@ -75,7 +75,7 @@ def onebit_stage(state) -> int:
 
 
 def plan_onebit_zero(tx, params, mesh, *, stage: int, axis: str = "data", offload_optimizer: bool = False):
-    """``(shardings, state_specs, layout)`` of a 1-bit optimizer made with ``zero_stage=stage``.
+    """``(shardings, state_specs, layout)`` of a 1-bit optimizer made with ``onebit_adam_zero(..., stage=stage)``.
 
     ``layout`` is the :class:`FlatLayout` of the stage-3 parameters (None below stage 3). Works on arrays and
     ``ShapeDtypeStruct`` params alike; allocates nothing.
@@ -88,7 +88,7 @@ def plan_onebit_zero(tx, params, mesh, *, stage: int, axis: str = "data", offloa
     if tx_stage != stage:
         raise ValueError(
             f"ZeRO stage {stage} was requested but the 1-bit optimizer was built for stage {tx_stage}: make it "
-            f"with jonebit.onebit_adam(..., zero_stage={stage}) (its state layout depends on the stage)"
+            f"with jonebit.onebit_adam_zero(..., stage={stage}) (its state layout depends on the stage)"
         )
     if offload_optimizer:
         _check_offload(mesh)
@@ -112,7 +112,7 @@ def plan_onebit_zero(tx, params, mesh, *, stage: int, axis: str = "data", offloa
 
 
 def init_onebit_zero(tx, params, mesh, *, stage: int, axis: str = "data", offload_optimizer: bool = False):
-    """``(params, opt_state, shardings)`` for a 1-bit optimizer made with ``zero_stage=stage``.
+    """``(params, opt_state, shardings)`` for a 1-bit optimizer made with ``onebit_adam_zero(..., stage=stage)``.
 
     ``params`` come back replicated (stages 1, 2) or as :class:`FlatParams` (stage 3).
     """

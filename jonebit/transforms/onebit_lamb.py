@@ -65,8 +65,8 @@ from jax.sharding import PartitionSpec as P
 from jonebit.comm.backends import get_backend
 from jonebit.comm.compressed import padded_size
 from jonebit.sharding.zero import register_per_rank_state
-from jonebit.transforms import common
-from jonebit.transforms.common import ScalarOrSchedule
+from jonebit.transforms import base
+from jonebit.transforms.base import ScalarOrSchedule
 
 _WHO = "onebit_lamb"
 
@@ -90,6 +90,7 @@ class OneBitLambState(NamedTuple):
       variance_norms: per tensor, ``||v / (1 - b2^t)||`` at the last check of the automatic rule (unused with a
         fixed freeze_step).
       calm_checks: consecutive calm checks of the automatic rule.
+      phase: the phase the last update ran, an index into ``PHASES`` (int32).
     """
 
     count: jax.Array
@@ -105,12 +106,15 @@ class OneBitLambState(NamedTuple):
     freeze_at: jax.Array
     variance_norms: Any
     calm_checks: jax.Array
+    phase: jax.Array
+
+    PHASES = ("warmup", "compression")
 
 
 def onebit_lamb(
     learning_rate: ScalarOrSchedule,
     *,
-    freeze_step: int | str,
+    freeze_step: int | str | base.AutoFreeze,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
@@ -125,7 +129,6 @@ def onebit_lamb(
     exp_avg_mask: Any = None,
     axis_name: str | None = "data",
     mpi_comm: Any = None,
-    auto_freeze: common.AutoFreeze | None = None,
     mask_unseen: bool = True,
 ) -> optax.GradientTransformation:
     """1-bit LAMB (Li et al., 2021) with DeepSpeed's semantics (see the module docstring for the stages).
@@ -135,7 +138,8 @@ def onebit_lamb(
       freeze_step: number of full-precision LAMB updates before compression starts (>= 1). DeepSpeed's
         ``freeze_step=F`` gives ``F - 1`` of them (its first ``step()`` only initialises): pass ``F - 1``.
         Keep ``1 / (1 - coeff_beta) <= freeze_step`` so that the coefficient EMA has warmed up. ``"auto"``: switch
-        when the variance has settled, by the rule of ``auto_freeze`` (:class:`jonebit.AutoFreeze`).
+        when the variance has settled, by the default :class:`jonebit.AutoFreeze` rule, or by the one given instead of
+        a number (decided inside the compiled step identically on every rank, logged once, kept in ``freeze_at``).
       b1: momentum decay.
       b2: variance decay.
       eps: added to ``sqrt(v)``.
@@ -151,8 +155,6 @@ def onebit_lamb(
         (a leaf is None, or 0/1 values with the param's shape or 1 where it broadcasts, e.g. ``(rows, 1)``).
       axis_name: the ``jax.shard_map`` mesh axis of the data-parallel ranks.
       mpi_comm: an mpi4py communicator (or :class:`~jonebit.comm.MPIBackend`); the collectives then go through MPI.
-      auto_freeze: the rule for ``freeze_step="auto"`` (default ``AutoFreeze()``); decided inside the compiled step,
-        identically on every rank, logged once and kept in the state (``freeze_at``).
       mask_unseen: in the compression stage, elements whose frozen variance is exactly 0 (no gradient reached them
         during warmup, e.g. embedding rows of tokens not yet seen) keep a zero momentum and get no update but weight
         decay (default). ``False`` is DeepSpeed's arithmetic: the 1-bit average gives them their chunk's magnitude,
@@ -170,60 +172,61 @@ def onebit_lamb(
             "trust-ratio coefficients are fitted to the uncorrected update; pass bias_correction=False"
         )
     rule = None
-    if isinstance(freeze_step, str):
+    if isinstance(freeze_step, base.AutoFreeze):
+        rule = freeze_step.checked(_WHO)
+        freeze_step = rule.max_step
+    elif isinstance(freeze_step, str):
         if freeze_step != "auto":
-            raise ValueError(f"{_WHO}: freeze_step must be an int or \"auto\", got {freeze_step!r}")
-        rule = (auto_freeze if auto_freeze is not None else common.AutoFreeze()).checked(_WHO)
+            raise ValueError(f"{_WHO}: freeze_step must be an int, \"auto\" or a jonebit.AutoFreeze, got "
+                             f"{freeze_step!r}")
+        rule = base.AutoFreeze().checked(_WHO)
         freeze_step = rule.max_step
     else:
-        if auto_freeze is not None:
-            raise ValueError(f"{_WHO}: auto_freeze applies to freeze_step=\"auto\" only, got "
-                             f"freeze_step={freeze_step!r}")
-        freeze_step = common.check_int(
+        freeze_step = base.check_int(
             "freeze_step", freeze_step, minimum=1, who=_WHO,
             hint=" (compression needs a variance estimated on at least one warmup update; DeepSpeed's freeze_step=F "
                  "is F - 1 here)")
-    common.check_betas_eps(_WHO, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, coeff_beta=coeff_beta)
+    base.check_betas_eps(_WHO, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, coeff_beta=coeff_beta)
     _check_bounds("min_coeff", min_coeff, "max_coeff", max_coeff, floor=0.0)
     _check_bounds("factor_min", factor_min, "factor_max", factor_max, floor=0.0)
-    if common.is_number(factor_threshold) and not 0.0 <= factor_threshold < 1.0:
+    if base.is_number(factor_threshold) and not 0.0 <= factor_threshold < 1.0:
         raise ValueError(f"{_WHO}: factor_threshold must be in [0, 1), got {factor_threshold}")
-    exp_avg_mask = common.normalise_mask(exp_avg_mask, _WHO)  # values checked once
-    decays = not (common.is_number(weight_decay) and weight_decay == 0)
+    exp_avg_mask = base.normalise_mask(exp_avg_mask, _WHO)  # values checked once
+    decays = not (base.is_number(weight_decay) and weight_decay == 0)
     if mpi_comm is not None:
         axis_name = None
 
     def init_fn(params):
-        common.check_float_leaves(params, "param", _WHO)
-        n = common.num_elements(params)
+        base.check_float_leaves(params, "param", _WHO)
+        n = base.num_elements(params)
         if n == 0:
             raise ValueError(f"{_WHO}: the params have no elements")
-        common.mask_leaves(exp_avg_mask, params, _WHO)  # checked against the params once, at init
+        base.mask_leaves(exp_avg_mask, params, _WHO)  # checked against the params once, at init
         backend = get_backend(axis_name, mpi_comm)
         zeros = lambda: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)  # noqa: E731
         scalars = lambda v: jax.tree.map(lambda _: jnp.full([], v, jnp.float32), params)  # noqa: E731
-        worker, server = common.error_buffers(params, backend.size, fused=True)
+        worker, server = base.error_buffers(params, backend.size, fused=True)
         return OneBitLambState(
             count=jnp.zeros([], jnp.int32), mu=zeros(), nu=zeros(), nu_fresh=zeros(),
             lamb_coeff_freeze=scalars(0.0), last_factor=scalars(1.0), scaling_coeff=scalars(1.0),
             padding=jnp.zeros(padded_size(n, backend.size) - n, jnp.float32),
             worker_error=worker, server_error=server, freeze_at=jnp.full([], freeze_step, jnp.int32),
-            variance_norms=scalars(0.0), calm_checks=jnp.zeros([], jnp.int32),
+            variance_norms=scalars(0.0), calm_checks=jnp.zeros([], jnp.int32), phase=jnp.zeros([], jnp.int32),
         )
 
     def update_fn(grads, state, params=None):
         if params is None:
             raise ValueError(f"{_WHO}: LAMB's trust ratio needs params; call update(grads, state, params)")
-        common.check_float_leaves(grads, "gradient", _WHO)
-        mask = common.mask_leaves(exp_avg_mask, grads, _WHO)
+        base.check_float_leaves(grads, "gradient", _WHO)
+        mask = base.mask_leaves(exp_avg_mask, grads, _WHO)
         backend = get_backend(axis_name, mpi_comm)
-        common.check_local_grads(grads, backend, _WHO)
-        common.check_replicated_params(params, backend, _WHO)
+        base.check_local_grads(grads, backend, _WHO)
+        base.check_replicated_params(params, backend, _WHO)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         ps = jax.tree.map(lambda p: p.astype(jnp.float32), params)
-        we, se = common.per_rank(state.worker_error, backend), common.per_rank(state.server_error, backend)
+        we, se = base.per_rank(state.worker_error, backend), base.per_rank(state.server_error, backend)
         count = state.count
-        lr = jnp.asarray(common.learning_rate_at(learning_rate, count), jnp.float32)
+        lr = jnp.asarray(base.learning_rate_at(learning_rate, count), jnp.float32)
         norm = lambda x: jnp.sqrt(jnp.sum(x * x))  # noqa: E731
 
         def warmup(_):
@@ -232,7 +235,7 @@ def onebit_lamb(
             v = jax.tree.map(lambda v, g: b2 * v + (1.0 - b2) * g * g, state.nu, g)
             freeze_at, norms, calm = state.freeze_at, state.variance_norms, state.calm_checks
             if rule is not None:
-                freeze_at, norms, calm = common.auto_freeze_step(rule, count, v, norms, calm, freeze_at, backend,
+                freeze_at, norms, calm = base.auto_freeze_step(rule, count, v, norms, calm, freeze_at, backend,
                                                                  b2=b2)
             # The last warmup update starts the fresh variance from v.
             v_fresh = jax.tree.map(lambda f, v: jnp.where(count == freeze_at - 1, v, f), state.nu_fresh, v)
@@ -262,17 +265,17 @@ def onebit_lamb(
             padding, we1, se1 = state.padding, we, se
             if backend.size > 1:  # one compressed allreduce of the fused buffer, tail included
                 leaves, treedef = jax.tree.flatten(m_local)
-                flat = jnp.concatenate([common.flatten(m_local), padding])
-                parts, we1, se1 = common.compressed_mean_flat(backend, flat, we, se,
+                flat = jnp.concatenate([base.flatten(m_local), padding])
+                parts, we1, se1 = base.compressed_mean_flat(backend, flat, we, se,
                                                               [x.size for x in leaves] + [padding.size])
                 m_avg = treedef.unflatten([q.reshape(x.shape) for q, x in zip(parts, leaves, strict=False)])
                 padding = parts[-1]
-                we1, se1 = common.per_rank(we1, backend), common.per_rank(se1, backend)
+                we1, se1 = base.per_rank(we1, backend), base.per_rank(se1, backend)
             else:  # nothing to average (the mean only types the result as replicated)
                 m_avg = backend.mean(m_local)
-            m = common.apply_mask(jax.tree.map(jnp.divide, m_avg, scaling), mask)
+            m = base.apply_mask(jax.tree.map(jnp.divide, m_avg, scaling), mask)
             if mask_unseen:  # the frozen variance is 0 exactly where no gradient has ever arrived
-                m = common.where_seen(m, state.nu)
+                m = base.where_seen(m, state.nu)
             v_fresh = jax.tree.map(
                 lambda f, m, mp: b2 * f + (1.0 - b2) * jnp.square((m - b1 * mp) / (1.0 - b1)),
                 state.nu_fresh, m, m_prev)
@@ -295,22 +298,23 @@ def onebit_lamb(
             return (updates, m, state.nu, v_fresh, state.lamb_coeff_freeze, last, scaling, padding, we1, se1,
                     state.freeze_at, state.variance_norms, state.calm_checks)
 
-        (updates, mu, nu, nu_fresh, frozen, last, scaling, padding, we, se, freeze_at, norms, calm) = lax.cond(
-            count < state.freeze_at, warmup, compression, None)
+        phase = jnp.where(count < state.freeze_at, 0, 1)  # an index into OneBitLambState.PHASES
+        (updates, mu, nu, nu_fresh, frozen, last, scaling, padding, we, se, freeze_at, norms, calm) = lax.switch(
+            phase, (warmup, compression), None)
         updates = jax.tree.map(lambda d, p: d.astype(p.dtype), updates, params)
         return updates, OneBitLambState(
             count=optax.safe_int32_increment(count), mu=mu, nu=nu, nu_fresh=nu_fresh, lamb_coeff_freeze=frozen,
             last_factor=last, scaling_coeff=scaling, padding=padding, worker_error=we, server_error=se,
-            freeze_at=freeze_at, variance_norms=norms, calm_checks=calm,
+            freeze_at=freeze_at, variance_norms=norms, calm_checks=calm, phase=phase.astype(jnp.int32),
         )
 
     return optax.GradientTransformation(init_fn, update_fn)
 
 
 def _check_bounds(lo_name: str, lo, hi_name: str, hi, *, floor: float) -> None:
-    if common.is_number(lo) and lo < floor:
+    if base.is_number(lo) and lo < floor:
         raise ValueError(f"{_WHO}: {lo_name} must be >= {floor}, got {lo}")
-    if common.is_number(lo) and common.is_number(hi) and hi < lo:
+    if base.is_number(lo) and base.is_number(hi) and hi < lo:
         raise ValueError(f"{_WHO}: {hi_name} ({hi}) must be >= {lo_name} ({lo})")
 
 
@@ -328,7 +332,7 @@ def onebit_lamb_specs(state: OneBitLambState, axis_name: str = "data") -> OneBit
         count=P(), mu=rep(state.mu), nu=rep(state.nu), nu_fresh=rep(state.nu_fresh),
         lamb_coeff_freeze=rep(state.lamb_coeff_freeze), last_factor=rep(state.last_factor),
         scaling_coeff=rep(state.scaling_coeff), padding=P(), worker_error=P(axis_name), server_error=P(axis_name),
-        freeze_at=P(), variance_norms=rep(state.variance_norms), calm_checks=P(),
+        freeze_at=P(), variance_norms=rep(state.variance_norms), calm_checks=P(), phase=P(),
     )
 
 

@@ -56,8 +56,8 @@ from jax import lax
 
 from jonebit.comm.backends import get_backend
 from jonebit.sharding.zero import register_per_rank_state
-from jonebit.transforms import common
-from jonebit.transforms.common import ScalarOrSchedule
+from jonebit.transforms import base
+from jonebit.transforms.base import ScalarOrSchedule
 
 _WHO = "zero_one_adam"
 
@@ -93,6 +93,9 @@ class ZeroOneAdamState(NamedTuple):
     var_updates: jax.Array
     worker_error: Any
     server_error: Any
+    phase: jax.Array
+
+    PHASES = ("variance_freezing", "local_steps")
 
 
 def zero_one_adam(
@@ -165,44 +168,44 @@ def zero_one_adam(
     for name, value in (("bias_correction", bias_correction), ("mask_unseen", mask_unseen)):
         if not isinstance(value, bool):
             raise TypeError(f"{_WHO}: {name} must be True or False, got {value!r}")
-    var_freeze_step = common.check_int(
+    var_freeze_step = base.check_int(
         "var_freeze_step", var_freeze_step, minimum=1, who=_WHO,
         hint=" (the variance must be estimated on at least one update before it is frozen)")
-    kappa = common.check_int("var_update_scaler", var_update_scaler, minimum=1, who=_WHO)
-    scaler = common.check_int("local_step_scaler", local_step_scaler, minimum=1, who=_WHO)
-    clipper = common.check_int("local_step_clipper", local_step_clipper, minimum=1, who=_WHO)
-    common.check_betas_eps(_WHO, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
-    exp_avg_mask = common.normalise_mask(exp_avg_mask, _WHO)  # values checked once
-    decays = not (common.is_number(weight_decay) and weight_decay == 0)
+    kappa = base.check_int("var_update_scaler", var_update_scaler, minimum=1, who=_WHO)
+    scaler = base.check_int("local_step_scaler", local_step_scaler, minimum=1, who=_WHO)
+    clipper = base.check_int("local_step_clipper", local_step_clipper, minimum=1, who=_WHO)
+    base.check_betas_eps(_WHO, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    exp_avg_mask = base.normalise_mask(exp_avg_mask, _WHO)  # values checked once
+    decays = not (base.is_number(weight_decay) and weight_decay == 0)
     if mpi_comm is not None:
         axis_name = None
 
     def init_fn(params):
-        common.check_float_leaves(params, "param", _WHO)
-        if common.num_elements(params) == 0:
+        base.check_float_leaves(params, "param", _WHO)
+        if base.num_elements(params) == 0:
             raise ValueError(f"{_WHO}: the params have no elements")
-        common.mask_leaves(exp_avg_mask, params, _WHO)  # checked against the params once, at init
+        base.mask_leaves(exp_avg_mask, params, _WHO)  # checked against the params once, at init
         backend = get_backend(axis_name, mpi_comm)
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         rows = jax.tree.map(lambda p: jnp.zeros((1, *p.shape), jnp.float32), params)
-        worker, server = common.error_buffers(params, backend.size, fused)
+        worker, server = base.error_buffers(params, backend.size, fused)
         one, zero = jnp.ones([], jnp.int32), jnp.zeros([], jnp.int32)
         return ZeroOneAdamState(
             count=zero, mu=rows, nu=zeros, momentum_accumulator=jax.tree.map(jnp.copy, rows),
             lrs=jnp.zeros([], jnp.float32), var_interval=one, var_counter=zero,
             local_step_interval=jnp.copy(one), local_step_counter=jnp.copy(zero), var_updates=jnp.copy(zero),
-            worker_error=worker, server_error=server,
+            worker_error=worker, server_error=server, phase=jnp.copy(zero),
         )
 
     def update_fn(grads, state, params=None):
         if decays and params is None:
             raise ValueError(f"{_WHO}: weight_decay needs params; call update(grads, state, params)")
-        common.check_float_leaves(grads, "gradient", _WHO)
-        mask = common.mask_leaves(exp_avg_mask, grads, _WHO)
+        base.check_float_leaves(grads, "gradient", _WHO)
+        mask = base.mask_leaves(exp_avg_mask, grads, _WHO)
         backend = get_backend(axis_name, mpi_comm)
-        common.check_local_grads(grads, backend, _WHO)
-        common.check_per_rank_params(params, backend, _WHO)
-        local = lambda t: common.per_rank(t, backend)  # noqa: E731
+        base.check_local_grads(grads, backend, _WHO)
+        base.check_per_rank_params(params, backend, _WHO)
+        local = lambda t: base.per_rank(t, backend)  # noqa: E731
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         row = lambda t: jax.tree.map(lambda x: x[0], t)  # noqa: E731
         mu, u = local(row(state.mu)), local(row(state.momentum_accumulator))
@@ -210,7 +213,7 @@ def zero_one_adam(
         ps = jax.tree.map(lambda p: p.astype(jnp.float32), params) if params is not None else grads
         count = state.count
         ds_step = count + 2  # DeepSpeed's state['step'] after its increment in this call
-        lr = jnp.asarray(common.learning_rate_at(learning_rate, count), jnp.float32)
+        lr = jnp.asarray(base.learning_rate_at(learning_rate, count), jnp.float32)
 
         def denominator(v, var_updates):
             if not bias_correction:
@@ -225,12 +228,12 @@ def zero_one_adam(
 
         def seen(tree, v, other=None):
             """``tree`` where the variance is > 0; elsewhere 0 (or ``other``): see ``mask_unseen``."""
-            return common.where_seen(tree, v, other) if mask_unseen else tree
+            return base.where_seen(tree, v, other) if mask_unseen else tree
 
         def compress(tree, we, se):
             if backend.size == 1:  # nothing to average (DeepSpeed skips the call too)
                 return tree, we, se
-            out, we, se = common.compressed_mean(backend, tree, we, se, fused=fused)
+            out, we, se = base.compressed_mean(backend, tree, we, se, fused=fused)
             return out, local(we), local(se)
 
         def variance_freezing(_):
@@ -242,7 +245,7 @@ def zero_one_adam(
 
             def onebit_step(_):
                 g, we1, se1 = compress(grads, we, se)
-                g = seen(common.apply_mask(g, mask), nu)
+                g = seen(base.apply_mask(g, mask), nu)
                 m = jax.tree.map(lambda m, g: b1 * m + (1.0 - b1) * g, mu, g)
                 return local(m), nu, we1, se1
 
@@ -271,7 +274,7 @@ def zero_one_adam(
                 scaled = jax.tree.map(jnp.multiply, acc, denom)
                 w, we1, se1 = compress(scaled, we, se)
                 # Unseen elements keep their own moves (weight decay only), not the 1-bit average.
-                w = seen(common.apply_mask(w, mask), nu, scaled)
+                w = seen(base.apply_mask(w, mask), nu, scaled)
                 m_synced = jax.tree.map(lambda w: -w / lrs, w)
                 # p - lr d - u + w / denom: undo the local moves, apply the averaged one.
                 updates = jax.tree.map(lambda mv, a, w, dn: mv - a + w / dn, moves, acc, w, denom)
@@ -290,12 +293,14 @@ def zero_one_adam(
             return (local(updates), m, nu, acc, lrs, we1, se1, state.var_interval, state.var_counter,
                     interval, jnp.where(doubled, 0, local_counter), state.var_updates)
 
+        phase = jnp.where(count < var_freeze_step, 0, 1)  # an index into ZeroOneAdamState.PHASES
+
         def typed(out):  # both phases must return the same types: updates are per rank
             return (local(out[0]), *out[1:])
 
         (updates, mu, nu, u, lrs, we, se, var_interval, var_counter, local_interval, local_counter,
-         var_updates) = lax.cond(
-            count < var_freeze_step, lambda x: typed(variance_freezing(x)), lambda x: typed(local_steps(x)), None)
+         var_updates) = lax.switch(
+            phase, (lambda x: typed(variance_freezing(x)), lambda x: typed(local_steps(x))), None)
         like = params if params is not None else grads
         updates = jax.tree.map(lambda d, p: d.astype(p.dtype), updates, like)
         rows = lambda t: jax.tree.map(lambda x: x[None], t)  # noqa: E731
@@ -303,6 +308,7 @@ def zero_one_adam(
             count=optax.safe_int32_increment(count), mu=rows(mu), nu=nu, momentum_accumulator=rows(u), lrs=lrs,
             var_interval=var_interval, var_counter=var_counter, local_step_interval=local_interval,
             local_step_counter=local_counter, var_updates=var_updates, worker_error=we, server_error=se,
+            phase=phase.astype(jnp.int32),
         )
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -317,7 +323,7 @@ def zero_one_adam_specs(state: ZeroOneAdamState, axis_name: str = "data") -> Zer
     return ZeroOneAdamState(
         count=P(), mu=rows(state.mu), nu=rep(state.nu), momentum_accumulator=rows(state.momentum_accumulator),
         lrs=P(), var_interval=P(), var_counter=P(), local_step_interval=P(), local_step_counter=P(), var_updates=P(),
-        worker_error=rows(state.worker_error), server_error=rows(state.server_error),
+        worker_error=rows(state.worker_error), server_error=rows(state.server_error), phase=P(),
     )
 
 

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 import jonebit.comm.compressed as compressed
 from jonebit.comm.backends import get_backend
 from jonebit.comm.compressed import buffer_groups, padded_size
-from jonebit.transforms import common
+from jonebit.transforms import base as common
 from tests.reference import np_compressed_allreduce
 
 # Size-1 buffers, buffers shorter than P, repeated and unique lengths, interleaved.

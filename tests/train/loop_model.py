@@ -39,6 +39,6 @@ def make_run(out, *, max_steps, checkpoint_every, async_checkpoint=False, mesh=N
     step = make_train_step(loss_fn, tx, mesh, specs, accumulation_steps=2, rng_seed=3)
     batches = ArrayBatches(data(), batch_size=mesh.size * 4, seed=11)
     config = LoopConfig(output_dir=out, max_steps=max_steps, checkpoint_every=checkpoint_every,
-                        async_checkpoint=async_checkpoint, progress_bar=False, freeze_step=FREEZE,
+                        async_checkpoint=async_checkpoint, progress_bar=False,
                         steps_per_print=0, **loop_kw)
     return step, state, batches, config

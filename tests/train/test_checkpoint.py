@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 
+import jonebit
 from jonebit import onebit_adam
 from jonebit.train import checkpoint
 from jonebit.train.data_parallel import data_mesh, init_optimizer, make_update, replicate, shard_batch
@@ -97,7 +98,7 @@ def test_zero_stage3_onebit_round_trip_and_world_size_guard(tmp_path):
             params, state, _ = step(params, state, b)
         return params, state
 
-    tx = onebit_adam(1e-2, freeze_step=2, fused=False, zero_stage=3)
+    tx = jonebit.onebit_adam_zero(1e-2, freeze_step=2, fused=False, stage=3)
     mesh = data_mesh(8)
     params, state, sh = init_zero(tx, params0, mesh, stage=3)
     params, state = run(mesh, params, state, sh, batches[:3])  # past freeze_step: packed momentum in use
@@ -472,12 +473,12 @@ def test_numpy_target_restores_whole_numpy_arrays(saved, states):
 def test_zero_state_error_buffers_are_saved_apart(tmp_path):
     """Both 1-bit state types go through one predicate: ZeRO buffers are split off like plain ones."""
     from jonebit.transforms.onebit_adam import is_onebit_state
-    from jonebit.transforms.onebit_zero import OneBitAdamZeroState
+    from jonebit.transforms.onebit_adam_zero import OneBitAdamZeroState
 
     zero = OneBitAdamZeroState(
         count=np.int32(3), mu=(np.ones((8, 4), np.float32),), nu=(np.ones((8, 4), np.float32),), nu_full=(),
         m_rows=(np.zeros((8, 4), np.uint8),), worker_error=(np.full((8, 32), 2.0, np.float32),),
-        server_error=(np.full((8, 4), 3.0, np.float32),), stage=3, skipped=np.int32(0))
+        server_error=(np.full((8, 4), 3.0, np.float32),), stage=3, phase=np.int32(0))
     assert is_onebit_state(zero)
     checkpoint.save(tmp_path / "z", {"opt": zero}, step=3)
     from orbax.checkpoint import v1 as ocp

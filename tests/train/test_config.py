@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 import jonebit
 from jonebit.cli import main as cli_main
 from jonebit.comm.compressed import padded_size
+from jonebit.experimental import OneBitAdamOptions
 from jonebit.train.config import ConfigError, build_optimizer, build_schedule, describe, load_config
 from jonebit.train.data_parallel import data_mesh, init_optimizer, replicate, shard_batch
 
@@ -530,14 +531,16 @@ def test_onebit_adam_options():
 
 
 def test_row_scales_from_config_equals_direct_onebit_adam():
-    """"row_scales": true builds onebit_adam(row_scales=True), per leaf even with fp16 (whose default is fused)."""
+    """"row_scales": true builds onebit_adam(experimental=OneBitAdamOptions(row_scales=True)), per leaf even with fp16
+    (whose default is fused)."""
     cfg = {"train_batch_size": 8 * N_DEV, "fp16": {"enabled": True},
            "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-2, "freeze_step": 3, "row_scales": True}}}
     rng = np.random.default_rng(4)
     params = {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
     grads = [{k: rng.normal(size=(N_DEV, *s)).astype(np.float32) for k, s in SHAPES.items()} for _ in range(5)]
     got, _ = run_sharded(build_optimizer(load_config(cfg)), params, grads)
-    want, _ = run_sharded(jonebit.onebit_adam(1e-2, freeze_step=2, row_scales=True), params, grads)
+    want, _ = run_sharded(jonebit.onebit_adam(1e-2, freeze_step=2, experimental=OneBitAdamOptions(row_scales=True)),
+                          params, grads)
     assert_trees_close(got, want, rtol=0, atol=0)
     per_tensor, _ = run_sharded(jonebit.onebit_adam(1e-2, freeze_step=2), params, grads)
     assert not np.allclose(got["w"], per_tensor["w"], rtol=1e-6, atol=0)
@@ -555,7 +558,7 @@ def test_freeze_step_auto_from_config_equals_direct_onebit_adam_and_lamb(capsys)
     params = {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
     grads = [{k: rng.normal(size=(N_DEV, *s)).astype(np.float32) for k, s in SHAPES.items()} for _ in range(8)]
     got, state = run_sharded(build_optimizer(config, fused=True), params, grads)
-    direct = jonebit.onebit_adam(1e-2, freeze_step="auto", auto_freeze=jonebit.AutoFreeze(**rule), fused=True)
+    direct = jonebit.onebit_adam(1e-2, freeze_step=jonebit.AutoFreeze(**rule), fused=True)
     want, want_state = run_sharded(direct, params, grads)
     assert_trees_close(got, want, rtol=0, atol=0)
     assert 2 <= int(state.freeze_at) == int(want_state.freeze_at) <= 6
@@ -567,8 +570,7 @@ def test_freeze_step_auto_from_config_equals_direct_onebit_adam_and_lamb(capsys)
         build_optimizer(no_rule), replicate(params, data_mesh()), data_mesh())[0]).freeze_at.size) == 1
     lamb = load_config(edit(cfg, "optimizer.type", "OneBitLamb"))
     got, state = run_sharded(build_optimizer(lamb), params, grads)
-    want, want_state = run_sharded(jonebit.onebit_lamb(1e-2, freeze_step="auto", auto_freeze=jonebit.AutoFreeze(
-        **rule)), params, grads)
+    want, want_state = run_sharded(jonebit.onebit_lamb(1e-2, freeze_step=jonebit.AutoFreeze(**rule)), params, grads)
     assert_trees_close(got, want, rtol=0, atol=0)
     assert int(state.freeze_at) == int(want_state.freeze_at)
     assert "onebit_lamb(freeze_step=\"auto\")" in describe(lamb, N_DEV)

@@ -36,7 +36,7 @@ from jonebit.train.config import ConfigError
 from jonebit.train.engine import LossScaling, init_train_state, make_train_step
 from jonebit.train.initialize import initialize
 from jonebit.train.onebit_zero import FlatParams
-from jonebit.transforms.onebit_zero import OneBitAdamZeroState
+from jonebit.transforms.onebit_adam_zero import OneBitAdamZeroState
 from tests.train.test_engine import _batch, _leaves_equal, _params, _poison, loss_fn
 from tests.train.test_zero import _all_reduce_shapes
 
@@ -290,7 +290,8 @@ def test_nonfinite_on_one_rank_skips_at_every_stage(variant):
 @functools.cache
 def _onebit_zero_run(stage: int, bad_at: int | None):
     """1-bit Adam at ZeRO ``stage`` (freeze_step 3) on 6 good batches, with a poisoned one inserted at ``bad_at``."""
-    tx = jonebit.onebit_adam(1e-2, freeze_step=3, zero_stage=stage)
+    tx = (jonebit.onebit_adam_zero(1e-2, freeze_step=3, stage=stage) if stage
+          else jonebit.onebit_adam(1e-2, freeze_step=3))
     good = [_batch(N * K * 2, 20 + s) for s in range(6)]
     data = good if bad_at is None else good[:bad_at] + [_poison(good[bad_at], rank=2)] + good[bad_at:]
     state, specs = init_train_state(tx, _params(), mesh(), zero_stage=stage)
@@ -387,7 +388,8 @@ def test_onebit_zero3_trains_through_the_loop(tmp_path):
     loop = engine.loop_config(tmp_path, max_steps=6, progress_bar=False, tensorboard=False, checkpoint_every=3)
     state = engine.train(_Repeat(_batch(N * K * 2, 0)), loop)
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["stage"] for r in records] == ["warmup"] * 2 + ["compression"] * 4
+    # The phases the optimizer's state names: the first compression step gathers the float32 momentum once.
+    assert [r["stage"] for r in records] == ["warmup"] * 2 + ["first_compression"] + ["compression"] * 3
     losses = [r["loss"] for r in records]
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
     # bytes_sent per stage: the engine's own collectives (parameter gather, scalars) are common to both, so the
@@ -399,6 +401,9 @@ def test_onebit_zero3_trains_through_the_loop(tmp_path):
     want = sum(compressed_bytes_per_rank(n, N) - (N - 1) / N * 4 * padded_size(n, N) for n in sizes)
     assert sent["compression"] - sent["warmup"] == pytest.approx(want)
     assert sent["compression"] > 0
+    # The one-off all-gather of the momentum chunks (stage 3: the variance stays in chunks).
+    once = sum((N - 1) / N * 4 * padded_size(n, N) for n in sizes)
+    assert sent["first_compression"] - sent["compression"] == pytest.approx(once)
     assert isinstance(state.params, FlatParams)
     # Resuming from the last checkpoint restores the partitioned state as it was (other initial parameters: only
     # the restore can make the states equal).
@@ -476,7 +481,7 @@ class _Cycle:
 def _bad_calls():
     m = mesh()
     adamw = optax.adamw(1e-2)
-    onebit2 = jonebit.onebit_adam(1e-2, freeze_step=2, zero_stage=2)
+    onebit2 = jonebit.onebit_adam_zero(1e-2, freeze_step=2, stage=2)
     state0, specs0 = init_train_state(adamw, _params(), m)
     state_off, specs_off = init_train_state(adamw, _params(), m, zero_stage=1, offload_optimizer=True)
     _, specs_ob = init_train_state(onebit2, _params(), m, zero_stage=2)
@@ -489,7 +494,7 @@ def _bad_calls():
         ("offload not bool", lambda: init_train_state(adamw, _params(), m, zero_stage=1, offload_optimizer="cpu"),
          TypeError, r"offload_optimizer must be a bool, got 'cpu'"),
         ("1-bit stage mismatch", lambda: init_train_state(onebit2, _params(), m, zero_stage=3), ValueError,
-         r"zero_stage=3 but the 1-bit optimizer was built for ZeRO stage 2.*zero_stage=3\)"),
+         r"zero_stage=3 but the 1-bit optimizer was built for ZeRO stage 2.*onebit_adam_zero\(\.\.\., stage=3\)"),
         ("1-bit at stage 0", lambda: init_train_state(onebit2, _params(), m), ValueError,
          r"zero_stage=0 but the 1-bit optimizer was built for ZeRO stage 2"),
         ("step stage 5", lambda: build(adamw, specs0, zero_stage=5), ValueError,

@@ -32,7 +32,7 @@ def main(outdir: str, steps: int, fused: bool) -> None:
     rng = np.random.default_rng(0)
     params = make_params(rng)
     grads = gradients(rng, params, world, steps)
-    tx = onebit_adam(sched, freeze_step="auto", auto_freeze=jonebit.AutoFreeze(**RULE), b2=B2, weight_decay=0.01,
+    tx = onebit_adam(sched, freeze_step=jonebit.AutoFreeze(**RULE), b2=B2, weight_decay=0.01,
                      fused=fused, mpi_comm=comm)
     state = jax.jit(tx.init)(params)
 

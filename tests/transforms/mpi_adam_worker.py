@@ -12,6 +12,7 @@ from mpi4py import MPI  # noqa: E402
 
 from jonebit import onebit_adam  # noqa: E402
 from jonebit.comm import MPIBackend  # noqa: E402
+from jonebit.experimental import OneBitAdamOptions  # noqa: E402
 from tests.transforms.mpi_cases import CONFIGS, FREEZE_STEP, STEPS, grads, params0  # noqa: E402
 
 
@@ -21,7 +22,8 @@ def main(outdir: str) -> None:
     g = grads(world)
     results = {}
     for name, (fused, mean, wd, refresh) in CONFIGS.items():
-        tx = onebit_adam(1e-2, freeze_step=FREEZE_STEP, fused=fused, weight_decay=wd, variance_refresh=refresh,
+        tx = onebit_adam(1e-2, freeze_step=FREEZE_STEP, fused=fused, weight_decay=wd,
+                         experimental=OneBitAdamOptions(variance_refresh=refresh),
                          mpi_comm=MPIBackend(comm, mean=mean))
         params = jax.tree.map(np.asarray, params0())
         state = jax.jit(tx.init)(params)

@@ -8,6 +8,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jonebit import onebit_adam, sharded_init
+from jonebit.experimental import OneBitAdamOptions
 
 WORKERS, ROWS, DIM, STEPS = 8, 32, 64, 400
 
@@ -58,7 +59,7 @@ def test_error_feedback_closes_the_gap_to_adam():
     lr, freeze = 3e-3, 50
     adam = train(onebit_adam(lr, freeze_step=STEPS + 1))  # never leaves warmup: plain Adam on mean grads
     onebit = train(onebit_adam(lr, freeze_step=freeze))
-    no_feedback = train(onebit_adam(lr, freeze_step=freeze, error_feedback=False))
+    no_feedback = train(onebit_adam(lr, freeze_step=freeze, experimental=OneBitAdamOptions(error_feedback=False)))
     print(f"excess loss: adam {adam:.3e}  1-bit adam {onebit:.3e}  without error feedback {no_feedback:.3e}")
     assert onebit < 3 * adam + 1e-4
     assert no_feedback > 10 * onebit

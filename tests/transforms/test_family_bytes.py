@@ -53,7 +53,8 @@ def by_op(collectives):
 def test_zero_one_adam_bytes_per_phase(p, fused):
     n = 31000
     r = report(jonebit.zero_one_adam(1e-3, fused=fused), p, True)
-    local_phase, variance_phase = (by_op(b) for b in r.branches[0])  # lax.cond: branch 0 is the false one
+    assert jonebit.ZeroOneAdamState.PHASES == ("variance_freezing", "local_steps")  # the branches, in order
+    variance_phase, local_phase = (by_op(b) for b in r.branches[0])
     onebit_bytes = onebit(n, p) if fused else onebit(30000, p) + onebit(1000, p)
     # First phase: a variance step is one float32 allreduce; any other step one compressed allreduce.
     assert variance_phase.pop("all-reduce") == pytest.approx(fp32_allreduce(n, p))
@@ -66,7 +67,8 @@ def test_zero_one_adam_bytes_per_phase(p, fused):
 @pytest.mark.parametrize("p", [2, 8])
 def test_onebit_lamb_bytes_per_phase(p):
     r = report(jonebit.onebit_lamb(1e-3, freeze_step=3), p, False)
-    compression, warmup = (by_op(b) for b in r.branches[0])
+    assert jonebit.OneBitLambState.PHASES == ("warmup", "compression")  # the branches, in order
+    warmup, compression = (by_op(b) for b in r.branches[0])
     assert warmup == {"all-reduce": pytest.approx(fp32_allreduce(31000, p))}
     # One compressed allreduce of the fused buffer (momenta plus tail) for the whole model.
     assert sum(compression.values()) == pytest.approx(onebit(31000, p))

@@ -1,4 +1,5 @@
-"""A non-finite gradient on one rank skips the step on every rank and leaves no trace in the training.
+"""skip_nonfinite: a non-finite gradient on one rank skips the step on every rank and leaves no trace in the training
+(1-bit Adam at ZeRO stage 0 and its partitioned variant at stages 1-3).
 
 Reference: the same compiled step run on the same gradient sequence without the bad step. Skipping must leave the
 state bitwise as it was (but for ``skipped``), so every later step matches the reference bit for bit.
@@ -25,11 +26,10 @@ import pytest  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jonebit import onebit_adam, sharded_init  # noqa: E402
-from jonebit.transforms.onebit_zero import FlatLayout  # noqa: E402
+from jonebit import onebit_adam, onebit_adam_zero, sharded_init, skip_nonfinite  # noqa: E402
+from jonebit.transforms.onebit_adam_zero import FlatLayout  # noqa: E402
 
-# The module, not the function of the same name that jonebit.transforms exports.
-onebit_module = importlib.import_module("jonebit.transforms.onebit_adam")
+base_module = importlib.import_module("jonebit.transforms.base")
 WORLD = 4
 BAD_RANK = 1
 STEPS = 5  # good steps; the bad one comes after the second
@@ -63,11 +63,12 @@ def mesh_of(p):
 class Runner:
     """One compiled step of ``tx`` over ``WORLD`` devices; ``run`` applies a gradient sequence from the start."""
 
-    def __init__(self, stage, fused, freeze_step, nonfinite="skip", mask=None):
+    def __init__(self, stage, fused, freeze_step, raise_error=False, mask=None):
         self.mesh = mesh_of(WORLD)
         self.stage = stage
-        self.tx = onebit_adam(1e-2, freeze_step=freeze_step, weight_decay=0.01, fused=fused, zero_stage=stage,
-                              nonfinite=nonfinite, exp_avg_mask=mask)
+        kw = dict(freeze_step=freeze_step, weight_decay=0.01, fused=fused, exp_avg_mask=mask)
+        inner = onebit_adam_zero(1e-2, stage=stage, **kw) if stage else onebit_adam(1e-2, **kw)
+        self.tx = skip_nonfinite(inner, raise_error=raise_error)
         self.layout = FlatLayout.of(params0(), WORLD, fused)
         self.state0, specs = sharded_init(self.tx, params0(), self.mesh)
         pspec = P("data") if stage == 3 else P()
@@ -126,7 +127,7 @@ def check_skip_leaves_no_trace(runner, bad_value):
     after_params, after_state = got[BAD_AT]
     # The bad step changes nothing on any rank (the error buffers hold every rank's row) but the skip counter.
     assert int(after_state.skipped) == 1 and int(before_state.skipped) == 0
-    assert int(after_state.count) == BAD_AT
+    assert int(after_state.inner.count) == BAD_AT
     assert_trees_equal(after_params, before_params, "params")
     assert_trees_equal(without_skipped(after_state), without_skipped(before_state), "state")
     # Later good steps are exactly those of a run that never saw the bad one.
@@ -166,29 +167,31 @@ def test_gradient_whose_square_overflows_is_skipped():
 
 @pytest.mark.parametrize("stage", [0, 2])
 def test_raise_mode_fails_the_step_and_keeps_the_state(stage):
-    runner = Runner(stage, True, 2, nonfinite="raise")
+    runner = Runner(stage, True, 2, raise_error=True)
     good = good_grads(WORLD)
     params, state = runner.params(), runner.state0
     params, state = runner.apply(params, state, good[0])
     before = jax.device_get((params, state))
-    with pytest.raises(Exception, match=r"non-finite gradient or momentum at update 1 \(on (this|another) rank\)"):
+    with pytest.raises(Exception, match=r"non-finite gradient \(on (this|another) rank\)"):
         out = runner.apply(params, state, bad_grads(WORLD, np.nan))
         jax.block_until_ready(out)
     # Nothing was donated: the inputs are intact, and the next good step runs normally.
     assert_trees_equal(jax.device_get((params, state)), before, "inputs")
     params, state = runner.apply(params, state, good[1])
     jax.block_until_ready((params, state))
-    assert int(state.count) == 2 and int(state.skipped) == 0
+    assert int(state.inner.count) == 2 and int(state.skipped) == 0
 
 
 def test_momentum_that_is_not_finite_is_refused():
-    """A state whose momentum is already NaN (e.g. restored from a bad checkpoint) is not trained on."""
+    """A state whose momentum is already NaN (e.g. restored from a bad checkpoint) is not trained on: the update it
+    leads to is not finite."""
     runner = Runner(0, True, 2)
-    mu = jax.tree.map(np.array, jax.device_get(runner.state0.mu))
+    inner = runner.state0.inner
+    mu = jax.tree.map(np.array, jax.device_get(inner.mu))
     mu["b"][0] = np.nan
-    state = runner.state0._replace(mu=jax.device_put(mu, NamedSharding(runner.mesh, P())))
+    state = runner.state0._replace(inner=inner._replace(mu=jax.device_put(mu, NamedSharding(runner.mesh, P()))))
     params, new = runner.apply(runner.params(), state, good_grads(WORLD)[0])
-    assert int(new.skipped) == 1 and int(new.count) == 0
+    assert int(new.skipped) == 1 and int(new.inner.count) == 0
     assert_trees_equal(jax.device_get(params), params0(), "params")
 
 
@@ -229,7 +232,7 @@ def _reduced_grads_step():
 
 
 def test_check_vma_is_read_through_public_config():
-    assert onebit_module._read_check_vma() is False  # outside shard_map
+    assert base_module._read_check_vma() is False  # outside shard_map
     with pytest.raises(ValueError, match="already all-reduced"):
         _reduced_grads_step()()
 
@@ -238,10 +241,10 @@ def test_check_vma_lookup_failing_warns_once(monkeypatch, caplog):
     def missing():
         raise AttributeError("no such option")
 
-    monkeypatch.setattr(onebit_module, "_read_check_vma", missing)
-    monkeypatch.setattr(onebit_module, "_warned", set())
+    monkeypatch.setattr(base_module, "_read_check_vma", missing)
+    monkeypatch.setattr(base_module, "_warned", set())
     run = _reduced_grads_step()
-    with caplog.at_level(logging.WARNING, logger=onebit_module.__name__):
+    with caplog.at_level(logging.WARNING, logger="jonebit.transforms"):
         run()  # the check is off: no error, but said so
         run()
     warnings = [r for r in caplog.records if "already all-reduced gradients is off" in r.getMessage()]
@@ -250,8 +253,8 @@ def test_check_vma_lookup_failing_warns_once(monkeypatch, caplog):
 
 def test_unreadable_varying_types_warn_instead_of_refusing(monkeypatch, caplog):
     """If varying axes cannot be read, every gradient would look reduced: warn and do not refuse local ones."""
-    monkeypatch.setattr(onebit_module, "varying_axes", lambda x: frozenset())
-    monkeypatch.setattr(onebit_module, "_warned", set())
+    monkeypatch.setattr(base_module, "varying_axes", lambda x: frozenset())
+    monkeypatch.setattr(base_module, "_warned", set())
     mesh = mesh_of(2)
     runner_tx = onebit_adam(1e-3, freeze_step=2)
     state, specs = sharded_init(runner_tx, {"w": jnp.ones(16)}, mesh)
@@ -263,7 +266,7 @@ def test_unreadable_varying_types_warn_instead_of_refusing(monkeypatch, caplog):
         return runner_tx.update(grads, state, params)[0]
 
     x = jax.device_put(jnp.ones(32), NamedSharding(mesh, P("data")))
-    with caplog.at_level(logging.WARNING, logger=onebit_module.__name__):
+    with caplog.at_level(logging.WARNING, logger="jonebit.transforms"):
         good(jax.device_put({"w": jnp.ones(16)}, NamedSharding(mesh, P())), state, x)
     assert sum("cannot read varying mesh axes" in r.getMessage() for r in caplog.records) == 1
 
@@ -278,7 +281,7 @@ def _mpi_main(outdir: str) -> None:
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    tx = onebit_adam(1e-2, freeze_step=2, fused=True, mpi_comm=comm)
+    tx = skip_nonfinite(onebit_adam(1e-2, freeze_step=2, fused=True, mpi_comm=comm), mpi_comm=comm)
 
     @jax.jit
     def step(params, state, grads):
@@ -297,8 +300,9 @@ def _mpi_main(outdir: str) -> None:
                 results["bad/skipped_at_bad"] = np.asarray(state.skipped)
         for k, v in params.items():
             results[f"{name}/params/{k}"] = np.asarray(v)
-        for field in ("count", "skipped", "mu", "nu", "worker_error", "server_error"):
-            for path, v in jax.tree_util.tree_leaves_with_path(getattr(state, field)):
+        results[f"{name}/skipped"] = np.asarray(state.skipped)
+        for field in ("count", "mu", "nu", "worker_error", "server_error"):
+            for path, v in jax.tree_util.tree_leaves_with_path(getattr(state.inner, field)):
                 results[f"{name}/{field}{jax.tree_util.keystr(path)}"] = np.asarray(v)
     np.savez(os.path.join(outdir, f"rank{rank}.npz"), **results)
 

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import jonebit
 from jonebit import onebit_adam, sharded_init
+from jonebit.experimental import OneBitAdamOptions
 from jonebit.train import checkpoint
 from tests.reference import NumpyOneBitAdamAuto
 from tests.transforms.test_onebit_adam import make_params, mesh_of, stepper
@@ -37,8 +38,9 @@ def run_auto(p, *, rule=RULE, fused=False, steps=30, seed=0, bias_correction=Tru
     rng = np.random.default_rng(seed)
     params0 = make_params(rng)
     mesh = mesh_of(p)
-    tx = onebit_adam(sched, freeze_step="auto", auto_freeze=jonebit.AutoFreeze(**rule), b2=B2, weight_decay=0.01,
-                     fused=fused, bias_correction=bias_correction, variance_refresh=refresh)
+    tx = onebit_adam(sched, freeze_step=jonebit.AutoFreeze(**rule), b2=B2, weight_decay=0.01,
+                     fused=fused, bias_correction=bias_correction,
+                     experimental=OneBitAdamOptions(variance_refresh=refresh))
     state, specs = sharded_init(tx, params0, mesh)
     step, put = stepper(tx, mesh, specs)
     params = jax.device_put(params0, jax.NamedSharding(mesh, P()))
@@ -79,7 +81,8 @@ def test_auto_equals_the_fixed_freeze_step_it_decided(fused, refresh):
     want = int(state.freeze_at)
     assert want < 24 - 3  # the compression stage (and with refresh=3, refreshes) ran
     mesh = mesh_of(p)
-    tx = onebit_adam(sched, freeze_step=want, b2=B2, weight_decay=0.01, fused=fused, variance_refresh=refresh)
+    tx = onebit_adam(sched, freeze_step=want, b2=B2, weight_decay=0.01, fused=fused,
+                     experimental=OneBitAdamOptions(variance_refresh=refresh))
     fixed_state, specs = sharded_init(tx, params0, mesh)
     step, put = stepper(tx, mesh, specs)
     fixed = jax.device_put(params0, jax.NamedSharding(mesh, P()))
@@ -105,7 +108,7 @@ def test_decision_identical_on_every_device():
     rng = np.random.default_rng(0)
     params0 = make_params(rng)
     mesh = mesh_of(p)
-    tx = onebit_adam(1e-2, freeze_step="auto", auto_freeze=jonebit.AutoFreeze(**RULE), b2=B2)
+    tx = onebit_adam(1e-2, freeze_step=jonebit.AutoFreeze(**RULE), b2=B2)
     state, specs = sharded_init(tx, params0, mesh)
 
     @jax.jit
@@ -150,7 +153,7 @@ def test_hierarchical_axes_decide_once_and_log_once(fused, caplog):
         return jax.device_get(params), state
 
     with caplog.at_level(logging.INFO, logger="jonebit.transforms"):
-        auto, state = train(freeze_step="auto", auto_freeze=jonebit.AutoFreeze(**RULE))
+        auto, state = train(freeze_step=jonebit.AutoFreeze(**RULE))
     assert int(state.freeze_at) == ref.decided and RULE["min_step"] < ref.decided < 20
     assert caplog.text.count("compression starts after update") == 1  # not once per device
     fixed, _ = train(freeze_step=ref.decided)
@@ -164,7 +167,7 @@ def test_checkpoint_mid_warmup_resumes_the_decision(tmp_path):
     rng = np.random.default_rng(0)
     params0 = make_params(rng)
     mesh = mesh_of(p)
-    tx = onebit_adam(sched, freeze_step="auto", auto_freeze=jonebit.AutoFreeze(**RULE), b2=B2, weight_decay=0.01)
+    tx = onebit_adam(sched, freeze_step=jonebit.AutoFreeze(**RULE), b2=B2, weight_decay=0.01)
     state0, specs = sharded_init(tx, params0, mesh)
     step, put = stepper(tx, mesh, specs)
     grads = [put({k: np.stack([x[k] for x in g]) for k in params0}) for g in gradients(rng, params0, p, 24)]
@@ -188,7 +191,7 @@ def test_checkpoint_mid_warmup_resumes_the_decision(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed), jax.device_get(cont))
 
 
-@pytest.mark.parametrize("statistic", jonebit.transforms.common.AUTO_STATISTICS)
+@pytest.mark.parametrize("statistic", jonebit.transforms.base.AUTO_STATISTICS)
 def test_each_statistic_decides_as_the_reference(statistic):
     rule = dict(RULE, statistic=statistic)
     *_, state, ref, trace = run_auto(2, rule=rule, steps=24)
@@ -206,7 +209,7 @@ def test_rule_reads_the_bias_corrected_variance():
     params0 = make_params(rng)
     g = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params0.items()}
     mesh = mesh_of(p)
-    tx = onebit_adam(1e-3, freeze_step="auto", auto_freeze=jonebit.AutoFreeze(**rule), b2=b2)
+    tx = onebit_adam(1e-3, freeze_step=jonebit.AutoFreeze(**rule), b2=b2)
     state, specs = sharded_init(tx, params0, mesh)
     step, put = stepper(tx, mesh, specs)
     params = jax.device_put(params0, jax.NamedSharding(mesh, P()))
@@ -233,18 +236,14 @@ def test_int_freeze_step_state_is_unchanged():
 @pytest.mark.parametrize(
     "kwargs,err,match",
     [
-        (dict(freeze_step="never"), ValueError, r"freeze_step must be an int or \"auto\", got 'never'"),
-        (dict(freeze_step=5, auto_freeze=jonebit.AutoFreeze()), ValueError,
-         r"auto_freeze applies to freeze_step=\"auto\" only"),
-        (dict(freeze_step="auto", auto_freeze=jonebit.AutoFreeze(min_step=50, max_step=10)), ValueError,
+        (dict(freeze_step="never"), ValueError, r"freeze_step must be an int, \"auto\" or a jonebit.AutoFreeze, got"),
+        (dict(freeze_step=jonebit.AutoFreeze(min_step=50, max_step=10)), ValueError,
          r"auto_freeze.max_step \(10\) must be >= min_step \(50\)"),
-        (dict(freeze_step="auto", auto_freeze=jonebit.AutoFreeze(threshold=0.0)), ValueError,
+        (dict(freeze_step=jonebit.AutoFreeze(threshold=0.0)), ValueError,
          r"auto_freeze.threshold must be"),
-        (dict(freeze_step="auto", auto_freeze={"min_step": 3}), TypeError, r"auto_freeze must be a jonebit.AutoFreeze"),
-        (dict(freeze_step="auto", auto_freeze=jonebit.AutoFreeze(statistic="mean")), ValueError,
+        (dict(freeze_step={"min_step": 3}), TypeError, r"freeze_step must be an int, \"auto\" or a jonebit.AutoFreeze"),
+        (dict(freeze_step=jonebit.AutoFreeze(statistic="mean")), ValueError,
          r"auto_freeze.statistic must be one of median, max, global, got 'mean'"),
-        (dict(freeze_step="auto", zero_stage=1), ValueError,
-         r"freeze_step=\"auto\" is available with zero_stage=0 only, got zero_stage=1"),
     ],
 )
 def test_bad_auto_arguments(kwargs, err, match):

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jonebit import onebit_adam, sharded_init
+from jonebit.experimental import OneBitAdamOptions
 from tests.mpi_util import run_mpi
 from tests.transforms.mpi_cases import CONFIGS, FREEZE_STEP, STEPS, grads, params0
 
@@ -21,7 +22,8 @@ WORKER = pathlib.Path(__file__).with_name("mpi_adam_worker.py")
 def shard_map_run(world: int, fused: bool, wd: float, refresh: int | None = None) -> dict:
     """Same steps through the shard_map backend; per-rank results keyed like the MPI worker's."""
     mesh = jax.make_mesh((world,), ("data",), devices=jax.devices()[:world])
-    tx = onebit_adam(1e-2, freeze_step=FREEZE_STEP, fused=fused, weight_decay=wd, variance_refresh=refresh)
+    tx = onebit_adam(1e-2, freeze_step=FREEZE_STEP, fused=fused, weight_decay=wd,
+                     experimental=OneBitAdamOptions(variance_refresh=refresh))
     state, specs = sharded_init(tx, params0(), mesh)
     params = jax.device_put(params0(), NamedSharding(mesh, P()))
 

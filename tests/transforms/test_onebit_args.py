@@ -1,4 +1,5 @@
-"""Bad arguments to onebit_adam fail early with a message naming the argument (or leaf), and sparse masks work."""
+"""Bad arguments to onebit_adam (its ZeRO variant, its experimental options and the non-finite wrapper) fail early
+with a message naming the argument (or leaf), and sparse masks work."""
 
 import jax
 import jax.numpy as jnp
@@ -8,8 +9,16 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jonebit import onebit_adam, sharded_init, state_specs
-from jonebit.transforms.onebit_zero import FlatLayout
+from jonebit import onebit_adam, onebit_adam_zero, sharded_init, skip_nonfinite, state_specs
+from jonebit.experimental import OneBitAdamOptions
+from jonebit.transforms.onebit_adam_zero import FlatLayout
+
+
+def tx_of(learning_rate, *, freeze_step, stage=0, **kw):
+    """onebit_adam at stage 0, its ZeRO variant at stages 1-3."""
+    if stage:
+        return onebit_adam_zero(learning_rate, freeze_step=freeze_step, stage=stage, **kw)
+    return onebit_adam(learning_rate, freeze_step=freeze_step, **kw)
 
 
 def mesh_of(p):
@@ -40,24 +49,13 @@ CONSTRUCTION = [
     (dict(fused="yes"), TypeError, r"fused must be True or False, got str 'yes'"),
     (dict(fused=None), TypeError, r"fused must be True or False, got NoneType"),
     (dict(bias_correction=1), TypeError, r"bias_correction must be True or False, got int 1"),
-    (dict(error_feedback="no"), TypeError, r"error_feedback must be True or False, got str 'no'"),
     (dict(mask_unseen=0), TypeError, r"mask_unseen must be True or False, got int 0"),
-    (dict(row_scales="rows"), TypeError, r"row_scales must be True or False, got str 'rows'"),
-    (dict(preconditioned=None), TypeError, r"preconditioned must be True or False, got NoneType"),
-    (dict(clip_ratio=0.0), ValueError, r"clip_ratio must be > 0, got 0.0"),
-    (dict(clip_ratio="adam"), TypeError, r"clip_ratio must be a number"),
-    (dict(preconditioned=True, zero_stage=2), ValueError, r"preconditioned=True is available at ZeRO stage 0 only"),
-    (dict(local_clip="yes"), TypeError, r"local_clip must be True or False, got str 'yes'"),
-    (dict(variance_refresh=0), ValueError, r"variance_refresh must be >= 1 \(refresh the variance every K"),
-    (dict(variance_refresh=2.5), TypeError, r"variance_refresh must be a whole number of updates"),
-    (dict(variance_refresh=True), TypeError, r"variance_refresh must be a whole number of updates"),
-    (dict(variance_refresh=8, zero_stage=1), ValueError, r"variance_refresh is available at ZeRO stage 0 only"),
-    (dict(row_scales=True, fused=True), ValueError, r"row_scales=True .* not available with fused=True"),
-    (dict(row_scales=True, fused=False, zero_stage=1), ValueError,
-     r"row_scales=True .* not available with zero_stage=1"),
-    (dict(error_feedback=1.5), TypeError, r"error_feedback must be True or False, got float 1.5"),
-    (dict(amsgrad="no"), TypeError, r"amsgrad must be True or False"),
-    (dict(nonfinite="ignore"), ValueError, r"nonfinite must be one of \('skip', 'raise'\), got 'ignore'"),
+    (dict(freeze_step="later"), ValueError, r"freeze_step must be an int, \"auto\" or a jonebit.AutoFreeze"),
+    (dict(experimental={"row_scales": True}), TypeError, r"experimental must be a jonebit.experimental.OneBit"),
+    (dict(experimental=OneBitAdamOptions(row_scales=True), fused=True), ValueError,
+     r"row_scales=True\) .* not available with fused=True"),
+    (dict(experimental=OneBitAdamOptions(row_scales=True), axis_name=("hosts", "local")), ValueError,
+     r"row_scales=True\) .* not available with hierarchical compression"),
     (dict(axis_name=0), TypeError, r"axis_name must be a mesh axis name \(str\), got 0"),
     (dict(exp_avg_mask={"b": None, "w": np.full((5, 7), 0.5)}), ValueError,
      r"exp_avg_mask leaf \['w'\] must hold only 0 and 1 .*got 0.5"),
@@ -75,10 +73,56 @@ def test_bad_arguments_fail_at_construction(kwargs, err, match):
         onebit_adam(**kwargs)
 
 
+OPTIONS = [
+    (dict(error_feedback="no"), TypeError, r"error_feedback must be True or False, got str 'no'"),
+    (dict(row_scales="rows"), TypeError, r"row_scales must be True or False, got str 'rows'"),
+    (dict(preconditioned=None), TypeError, r"preconditioned must be True or False, got NoneType"),
+    (dict(clip_ratio=0.0), ValueError, r"clip_ratio must be a finite number > 0 or None, got 0.0"),
+    (dict(clip_ratio="adam"), ValueError, r"clip_ratio must be a finite number > 0 or None, got 'adam'"),
+    (dict(local_clip="yes"), TypeError, r"local_clip must be True or False, got str 'yes'"),
+    (dict(variance_refresh=0), ValueError, r"variance_refresh must be >= 1 \(refresh the variance every K"),
+    (dict(variance_refresh=2.5), TypeError, r"variance_refresh must be a whole number of updates"),
+    (dict(variance_refresh=True), TypeError, r"variance_refresh must be a whole number of updates"),
+    (dict(error_feedback=1.5), TypeError, r"error_feedback must be True or False, got float 1.5"),
+]
+
+
+@pytest.mark.parametrize("kwargs,err,match", OPTIONS, ids=lambda x: None)
+def test_bad_experimental_options(kwargs, err, match):
+    with pytest.raises(err, match="OneBitAdamOptions: " + match):
+        OneBitAdamOptions(**kwargs)
+
+
+ZERO = [
+    (dict(stage=0), ValueError, r"stage must be 1, 2 or 3, got 0 \(stage 0 is jonebit.onebit_adam\)"),
+    (dict(stage=4), ValueError, r"stage must be 1, 2 or 3, got 4"),
+    (dict(stage=2.0), TypeError, r"stage must be a Python int"),
+    (dict(stage=2, freeze_step="auto"), ValueError, r"freeze_step must be an int >= 1, got 'auto'"),
+    (dict(stage=2, axis_name=("hosts", "local")), TypeError, r"axis_name must be the data axis of a shard_map mesh"),
+    (dict(stage=1, eps=0.0), ValueError, r"eps must be > 0, got 0.0"),
+    (dict(stage=3, fused="yes"), TypeError, r"fused must be True or False"),
+]
+
+
+@pytest.mark.parametrize("kwargs,err,match", ZERO, ids=lambda x: None)
+def test_bad_zero_arguments(kwargs, err, match):
+    kwargs = {"learning_rate": 1e-3, "freeze_step": 2, **kwargs}
+    with pytest.raises(err, match="onebit_adam_zero: " + match):
+        onebit_adam_zero(**kwargs)
+
+
+def test_bad_skip_nonfinite_arguments():
+    with pytest.raises(TypeError, match="skip_nonfinite: expected an optax.GradientTransformation, got function"):
+        skip_nonfinite(onebit_adam)
+    with pytest.raises(TypeError, match="skip_nonfinite: raise_error must be True or False, got 'yes'"):
+        skip_nonfinite(onebit_adam(1e-3, freeze_step=2), raise_error="yes")
+
+
 def test_good_arguments_still_accepted():
     onebit_adam(optax.linear_schedule(1e-3, 0.0, 100), freeze_step=2)  # schedules
     onebit_adam(jnp.float32(1e-3), freeze_step=2, weight_decay=np.float32(0.1), b1=np.float64(0.8))
-    onebit_adam(0.0, freeze_step=2, fused=np.bool_(False), nonfinite="raise")
+    onebit_adam(0.0, freeze_step=2, fused=np.bool_(False))
+    onebit_adam(1e-3, freeze_step="auto", experimental=OneBitAdamOptions(clip_ratio=7, variance_refresh=np.int64(4)))
 
 
 # Problems that need the params: (params, tx kwargs, exception, fragment).
@@ -86,7 +130,7 @@ ZERO_SIZE = {"b": np.ones(13, np.float32), "e": np.ones((0, 3), np.float32)}
 INIT = [
     (ZERO_SIZE, dict(fused=True), ValueError, r"param leaf \['e'\] has shape \(0, 3\), i.e. no elements"),
     (ZERO_SIZE, dict(fused=False), ValueError, r"param leaf \['e'\] has shape \(0, 3\)"),
-    (ZERO_SIZE, dict(zero_stage=2), ValueError, r"param leaf \['e'\] has shape \(0, 3\)"),
+    (ZERO_SIZE, dict(stage=2), ValueError, r"param leaf \['e'\] has shape \(0, 3\)"),
     (params0(), dict(exp_avg_mask={"b": None, "w": np.ones(7)}), ValueError,
      r"exp_avg_mask leaf \['w'\] has shape \(7,\), the param has \(5, 7\).*\(n, 1\)"),
     (params0(), dict(exp_avg_mask={"b": None, "w": np.ones((5, 2))}), ValueError,
@@ -102,7 +146,7 @@ INIT = [
 @pytest.mark.parametrize("params,kwargs,err,match", INIT, ids=lambda x: None)
 def test_bad_params_or_masks_fail_at_init(params, kwargs, err, match):
     with pytest.raises(err, match=match):
-        sharded_init(onebit_adam(1e-3, freeze_step=2, **kwargs), params, mesh_of(2))
+        sharded_init(tx_of(1e-3, freeze_step=2, **kwargs), params, mesh_of(2))
 
 
 def trace_update(tx, params, grads, stage=0):
@@ -137,13 +181,13 @@ def test_gradients_that_do_not_match_the_state(grads, match, fused):
 
 @pytest.mark.parametrize("grads,match", WRONG_GRADS, ids=lambda x: None)
 def test_gradients_that_do_not_match_the_params_zero(grads, match):
-    tx = onebit_adam(1e-3, freeze_step=2, zero_stage=2)
+    tx = onebit_adam_zero(1e-3, freeze_step=2, stage=2)
     with pytest.raises(ValueError, match=r"the gradients do not match the params: .*" + match):
         trace_update(tx, params0(), grads, stage=2)
 
 
 def test_gradients_that_do_not_match_the_state_zero3():
-    tx = onebit_adam(1e-3, freeze_step=2, zero_stage=3, fused=False)
+    tx = onebit_adam_zero(1e-3, freeze_step=2, stage=3, fused=False)
     chunks = jax.device_put(FlatLayout.of(params0(), 2, False).to_chunks(params0()),
                             NamedSharding(mesh_of(2), P("data")))
     grads = {"b": np.ones(13, np.float32), "w": np.ones((5, 6), np.float32)}
@@ -168,8 +212,7 @@ def test_state_specs_refuses_what_is_not_a_state():
 
 def run_masked(mask, stage, fused, steps=5, freeze_step=2, p=4):
     mesh = mesh_of(p)
-    tx = onebit_adam(1e-2, freeze_step=freeze_step, weight_decay=0.01, fused=fused, zero_stage=stage,
-                     exp_avg_mask=mask)
+    tx = tx_of(1e-2, freeze_step=freeze_step, weight_decay=0.01, fused=fused, stage=stage, exp_avg_mask=mask)
     state, specs = sharded_init(tx, params0(), mesh)
     layout = FlatLayout.of(params0(), p, fused)
     pspec = P("data") if stage == 3 else P()

@@ -8,7 +8,9 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jonebit import onebit_adam, sharded_init, state_specs
+import jonebit
+from jonebit import onebit_adam, sharded_init, skip_nonfinite, state_specs
+from jonebit.experimental import OneBitAdamOptions
 from jonebit.train.data_parallel import (
     data_mesh,
     hierarchical_mesh,
@@ -118,7 +120,7 @@ def test_nonfinite_gradient_on_one_device_skips_on_all():
     rng = np.random.default_rng(4)
     params0 = make_params(rng)
     mesh = mesh_of(2, 4)
-    tx = onebit_adam(1e-2, freeze_step=1, axis_name=AXES)
+    tx = skip_nonfinite(onebit_adam(1e-2, freeze_step=1, axis_name=AXES), axis_name=AXES)
     state, specs = sharded_init(tx, params0, mesh, AXES)
     step, put = stepper(tx, mesh, specs)
     params = jax.device_put(params0, jax.NamedSharding(mesh, P()))
@@ -129,7 +131,7 @@ def test_nonfinite_gradient_on_one_device_skips_on_all():
     bad = {k: v.copy() for k, v in grads.items()}
     bad["w"][7, 2, 3] = np.nan  # device (hosts=1, local=3) only
     params, state = step(params, state, put(bad))
-    assert int(state.skipped) == 1 and int(state.count) == 2
+    assert int(state.skipped) == 1 and int(state.inner.count) == 2
     after = jax.device_get((params, state._replace(skipped=before[1].skipped)))
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
         np.testing.assert_array_equal(a, b)  # params, moments and every device's error rows untouched
@@ -160,10 +162,8 @@ def test_bad_axis_pairs(axis_name, match):
 
 
 def test_hierarchical_refuses_zero_and_mpi():
-    with pytest.raises(ValueError, match=r"zero_stage=0 only, got zero_stage=1; use zero_stage=0"):
-        onebit_adam(1e-3, freeze_step=2, axis_name=AXES, zero_stage=1)
-    with pytest.raises(ValueError, match=r"zero_stage=0 only, got zero_stage=3"):
-        onebit_adam(1e-3, freeze_step=2, axis_name=AXES, zero_stage=3)
+    with pytest.raises(TypeError, match=r"onebit_adam_zero: axis_name must be the data axis of a shard_map mesh"):
+        jonebit.onebit_adam_zero(1e-3, freeze_step=2, stage=1, axis_name=AXES)
     with pytest.raises(ValueError, match="cannot be combined with mpi_comm"):
         onebit_adam(1e-3, freeze_step=2, axis_name=AXES, mpi_comm=object())
 
@@ -247,7 +247,7 @@ def test_variance_refresh_every_update_is_adam_on_the_mean_over_both_axes():
     rng = np.random.default_rng(3)
     params0 = make_params(rng)
     mesh = mesh_of(hosts, local)
-    tx = onebit_adam(1e-2, freeze_step=2, axis_name=AXES, variance_refresh=1)
+    tx = onebit_adam(1e-2, freeze_step=2, axis_name=AXES, experimental=OneBitAdamOptions(variance_refresh=1))
     state, specs = sharded_init(tx, params0, mesh, AXES)
     step, put = stepper(tx, mesh, specs)
     params = jax.device_put(params0, jax.NamedSharding(mesh, P()))

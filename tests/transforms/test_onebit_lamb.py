@@ -248,7 +248,7 @@ def auto_run(rule, steps, *, seed=3, p=2):
     rng = np.random.default_rng(seed)
     params0 = make_params(rng)
     mesh = mesh_of(p)
-    tx = onebit_lamb(1e-2, freeze_step="auto", auto_freeze=jonebit.AutoFreeze(**rule), b2=0.9)
+    tx = onebit_lamb(1e-2, freeze_step=jonebit.AutoFreeze(**rule), b2=0.9)
     state, specs = sharded_init(tx, params0, mesh)
     step = replicated_stepper(tx, mesh, specs)
     params = put_replicated(params0, mesh)
@@ -298,12 +298,11 @@ def test_auto_freeze_bounds():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(freeze_step="never"), r"freeze_step must be an int or \"auto\", got 'never'"),
-        (dict(freeze_step=5, auto_freeze=jonebit.AutoFreeze()), r"auto_freeze applies to freeze_step=\"auto\" only"),
-        (dict(freeze_step="auto", auto_freeze=jonebit.AutoFreeze(min_step=50, max_step=10)),
+        (dict(freeze_step="never"), r"freeze_step must be an int, \"auto\" or a jonebit.AutoFreeze, got 'never'"),
+        (dict(freeze_step=jonebit.AutoFreeze(min_step=50, max_step=10)),
          r"auto_freeze.max_step \(10\) must be >= min_step \(50\)"),
-        (dict(freeze_step="auto", auto_freeze=jonebit.AutoFreeze(threshold=0.0)), r"auto_freeze.threshold must be"),
-        (dict(freeze_step="auto", auto_freeze=jonebit.AutoFreeze(check_every=0)), r"auto_freeze.check_every must be"),
+        (dict(freeze_step=jonebit.AutoFreeze(threshold=0.0)), r"auto_freeze.threshold must be"),
+        (dict(freeze_step=jonebit.AutoFreeze(check_every=0)), r"auto_freeze.check_every must be"),
     ],
 )
 def test_bad_auto_freeze(kwargs, match):

@@ -1,12 +1,16 @@
-"""Pieces shared by the 1-bit family (0/1 Adam, 1-bit LAMB): argument checks, error buffers, compressed means.
+"""What the 1-bit family (1-bit Adam, its ZeRO variant, 0/1 Adam, 1-bit LAMB) shares.
 
-Each optimizer module composes these so that it reads as its own math: the error-compensated compressed
-allreduce of a pytree (one fused buffer or one buffer per leaf), the per-rank error buffers it needs, the
-refusal of already-reduced gradients, and the validation of hyperparameters, trees and masks.
+Each optimizer module composes these so that it reads as its own math: the communication backend of an axis name
+or MPI communicator, the error-compensated compressed allreduce of a pytree (one fused buffer or one buffer per
+leaf), the per-rank error buffers it needs, the refusal of already-reduced gradients, the validation of
+hyperparameters, trees and masks, the freeze rule of ``freeze_step="auto"``, and the names of the phases an update
+can run (:func:`phase_names`, :func:`last_phase`).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -14,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jonebit.comm.backends import AxisBackend, Backend, as_varying, varying_axes
+from jonebit.comm.backends import AxisBackend, Backend, as_varying, get_backend, varying_axes
 from jonebit.comm.compressed import (
     compressed_allreduce_groups,
     compressed_allreduce_rows,
@@ -25,6 +29,7 @@ from jonebit.comm.compressed import (
 )
 
 ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
+log = logging.getLogger("jonebit.transforms")
 
 
 def is_number(x) -> bool:
@@ -62,6 +67,61 @@ def check_float_leaves(tree, what: str, who: str) -> None:
                 f"{who}: {what} leaf {jax.tree_util.keystr(path)} has dtype {dtype}; only floating-point "
                 "leaves can be optimised (keep integer buffers out of the optimised tree, e.g. with optax.masked)"
             )
+
+
+def check_scalar(who: str, name: str, value, *, low: float, high: float = np.inf, open_low: bool = False,
+                  open_high: bool = False, schedule: bool = False) -> None:
+    """A hyperparameter: a finite number in range, an array (e.g. from ``optax.inject_hyperparams``, not checked),
+    or, where ``schedule``, a function of the update count."""
+    if is_number(value) and not isinstance(value, np.bool_):
+        if not np.isfinite(value):
+            raise ValueError(f"{who}: {name} must be a finite number, got {value}")
+        if (value <= low if open_low else value < low) or (value >= high if open_high else value > high):
+            bounds = [f"{'>' if open_low else '>='} {low:g}"] + ([f"{'<' if open_high else '<='} {high:g}"]
+                                                                  if np.isfinite(high) else [])
+            raise ValueError(f"{who}: {name} must be {' and '.join(bounds)}, got {value}")
+        return
+    if isinstance(value, jax.Array | np.ndarray) or (schedule and callable(value)):
+        return
+    kinds = "a number or a schedule (a function of the update count)" if schedule else "a number"
+    raise TypeError(f"{who}: {name} must be {kinds}, got {type(value).__name__} {value!r}")
+
+
+def check_bool(who: str, name: str, value) -> None:
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{who}: {name} must be True or False, got {type(value).__name__} {value!r}")
+
+
+def check_nonempty_leaves(params, who: str) -> None:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if math.prod(leaf.shape) == 0:
+            raise ValueError(
+                f"{who}: param leaf {jax.tree_util.keystr(path)} has shape {tuple(leaf.shape)}, i.e. no "
+                "elements; there is nothing to optimise in it: leave it out of the optimised tree (e.g. with "
+                "optax.masked or by filtering the params)"
+            )
+
+
+def _first_mismatch(a, b) -> str | None:
+    """Describes the first leaf path at which trees ``a`` and ``b`` differ in presence or shape, or None."""
+    la = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(a)}
+    lb = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(b)}
+    for path in dict.fromkeys([*la, *lb]):
+        if path not in lb:
+            return f"{path} is only in the gradients"
+        if path not in la:
+            return f"{path} is missing from the gradients"
+        if tuple(np.shape(la[path])) != tuple(np.shape(lb[path])):
+            return f"{path} has shape {tuple(np.shape(la[path]))} in the gradients, {tuple(np.shape(lb[path]))} here"
+    if jax.tree.structure(a) != jax.tree.structure(b):
+        return f"the tree types differ:\n  gradients: {jax.tree.structure(a)}\n  other:     {jax.tree.structure(b)}"
+    return None
+
+
+def check_matching_grads(grads, other, what: str, who: str) -> None:
+    problem = _first_mismatch(grads, other)
+    if problem is not None:
+        raise ValueError(f"{who}: the gradients do not match the {what}: {problem}")
 
 
 class Ones:
@@ -131,27 +191,75 @@ def mask_leaves(mask, params, who: str) -> list | None:
     return None if all(m is None for m in out) else out
 
 
+def mesh_axes(backend) -> tuple[str, ...]:
+    """The shard_map mesh axes a backend reduces over (none for MPI or one worker)."""
+    from jonebit.comm.hierarchical import HierarchicalBackend
+
+    if isinstance(backend, HierarchicalBackend):
+        return backend.axis_name
+    if isinstance(backend, AxisBackend):
+        return (backend.axis_name,)
+    return ()
+
+
+_warned: set = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message)
+
+
+def _read_check_vma() -> bool:
+    """Whether the enclosing ``shard_map`` type-checks varying axes (``check_vma=True``); public jax config."""
+    return bool(jax.config.check_vma)
+
+
+def _vma_checked(axis_name: str | None = None) -> bool:
+    """Whether varying-axis types are tracked here (``check_vma=True``), so already-reduced gradients can be told
+    from local ones. False, with a warning logged once, when this jax cannot say."""
+    try:
+        checked = _read_check_vma()
+    except AttributeError:
+        _warn_once("config", "this jax has no jax.config.check_vma; the check that refuses already all-reduced "
+                   "gradients is off (cast params with jax.lax.pcast(..., to='varying') before jax.grad inside "
+                   "shard_map)")
+        return False
+    if checked and axis_name is not None and axis_name not in varying_axes(jax.lax.axis_index(axis_name)):
+        # The rank index always varies over its axis: if it does not look so, varying_axes cannot read this
+        # jax's types, and checking would refuse every gradient.
+        _warn_once("types", "cannot read varying mesh axes from jax.typeof(x) in this jax; the check that refuses "
+                   "already all-reduced gradients is off")
+        return False
+    return checked
+
+
 def check_local_grads(grads, backend: Backend, who: str) -> None:
     """Refuses gradients typed as identical on all ranks (already all-reduced by autodiff)."""
-    if not isinstance(backend, AxisBackend) or not _vma_checked():
+    axes = mesh_axes(backend)
+    if not axes or not _vma_checked(axes[0]):
         return
+    name = axes[0] if len(axes) == 1 else axes
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
-        if backend.axis_name not in varying_axes(g):
+        reduced = [a for a in axes if a not in varying_axes(g)]
+        if reduced:
             raise ValueError(
-                f"{who}: gradient {jax.tree_util.keystr(path)} is invariant over axis {backend.axis_name!r}, i.e. "
+                f"{who}: gradient {jax.tree_util.keystr(path)} is invariant over axis {reduced[0]!r}, i.e. "
                 "already all-reduced. The 1-bit optimizers need each rank's local gradient: inside shard_map, cast "
-                f"replicated params with jax.lax.pcast(params, {backend.axis_name!r}, to='varying') before jax.grad "
+                f"replicated params with jax.lax.pcast(params, {name!r}, to='varying') before jax.grad "
                 "(otherwise autodiff inserts a full-precision psum)."
             )
 
 
-def _vma_checked() -> bool:
-    try:
-        from jax._src import config as jax_config
+def backend_for(axis_name, mpi_comm) -> Backend:
+    """The backend of an optimizer's ``axis_name`` (a mesh axis, a ``(hosts, local)`` pair, or None) or
+    ``mpi_comm``."""
+    if isinstance(axis_name, tuple):
+        from jonebit.comm.hierarchical import HierarchicalBackend
 
-        return bool(jax_config._check_vma.value)
-    except (ImportError, AttributeError):  # pragma: no cover - older/newer jax internals
-        return False
+        return HierarchicalBackend(*axis_name)
+    return get_backend(axis_name, mpi_comm)
 
 
 def check_replicated_params(params, backend: Backend, who: str) -> None:
@@ -377,3 +485,27 @@ def _log_freeze(fired, done, backend: Backend) -> None:
 
     # Only the update that fires pays for the host callback.
     jax.lax.cond(fired, lambda: jax.debug.callback(emit, fired, done, rank), lambda: None)
+
+
+def _phased_states(opt_state) -> list:
+    """The states in ``opt_state`` (an ``optax.chain`` nests them) that name their phases: a ``PHASES`` tuple on
+    the class and a ``phase`` leaf, the index of the phase the last update ran."""
+    def named(node):
+        return isinstance(getattr(type(node), "PHASES", None), tuple) and hasattr(node, "phase")
+
+    return [n for n in jax.tree.leaves(opt_state, is_leaf=named) if named(n)]
+
+
+def phase_names(opt_state) -> tuple[str, ...] | None:
+    """The names of the phases an update of this optimizer state can run, in the order of its compiled branches;
+    ``None`` for an optimizer without phases (optax's own)."""
+    nodes = _phased_states(opt_state)
+    return type(nodes[0]).PHASES if nodes else None
+
+
+def last_phase(opt_state) -> str | None:
+    """The name of the phase the last update ran (read from the device), or ``None`` without phases."""
+    nodes = _phased_states(opt_state)
+    if not nodes:
+        return None
+    return type(nodes[0]).PHASES[int(jax.device_get(nodes[0].phase))]

@@ -8,11 +8,15 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import jonebit
-from jonebit import onebit_adam, sharded_init, state_specs
-from jonebit.transforms.onebit_zero import FlatLayout, OneBitAdamZeroState
+from jonebit import onebit_adam, onebit_adam_zero, sharded_init, state_specs
+from jonebit.transforms.onebit_adam_zero import FlatLayout, OneBitAdamZeroState
 from tests.reference import NumpyOneBitAdam, np_padded
 
 LR, WD = 1e-2, 0.01
+
+def tx_of(learning_rate, *, stage, **kw):
+    """onebit_adam at stage 0, its ZeRO variant at stages 1-3."""
+    return onebit_adam_zero(learning_rate, stage=stage, **kw) if stage else onebit_adam(learning_rate, **kw)
 
 
 def mesh_of(p):
@@ -47,8 +51,8 @@ def run(stage, p, *, steps, freeze_step, fused, mask=None, seed=0):
     rng = np.random.default_rng(seed)
     params0 = make_params(rng)
     mesh = mesh_of(p)
-    tx = onebit_adam(LR, freeze_step=freeze_step, weight_decay=WD, exp_avg_mask=mask, fused=fused, zero_stage=stage,
-                     bias_correction=False)  # the reference is DeepSpeed's
+    tx = tx_of(LR, freeze_step=freeze_step, weight_decay=WD, exp_avg_mask=mask, fused=fused, stage=stage,
+               bias_correction=False)  # the reference is DeepSpeed's
     state, specs = sharded_init(tx, params0, mesh)
     layout = FlatLayout.of(params0, p, fused)
     params = jax.device_put(params0, jax.NamedSharding(mesh, P()))
@@ -115,7 +119,7 @@ def test_shapes_per_device_follow_the_chunks():
     n = sum(v.size for v in params.values())
     n_pad = np_padded(n, p)
     for stage in (1, 3):
-        tx = onebit_adam(LR, freeze_step=2, zero_stage=stage, fused=True)
+        tx = onebit_adam_zero(LR, freeze_step=2, stage=stage, fused=True)
         state, specs = sharded_init(tx, params, mesh_of(p))
         assert state.mu[0].shape == (p, n_pad // p) and specs.mu[0] == P("data")
         assert state.nu[0].shape == (p, n_pad // p) and specs.nu[0] == P("data")
@@ -148,11 +152,11 @@ def test_mask_keeps_masked_momentum_zero():
 
 def test_errors():
     params = make_params(np.random.default_rng(0))
-    with pytest.raises(ValueError, match="zero_stage must be"):
-        onebit_adam(LR, freeze_step=2, zero_stage=4)
-    with pytest.raises(ValueError, match="single device|zero_stage=0"):
-        sharded_init(onebit_adam(LR, freeze_step=2, zero_stage=2), params, mesh_of(1))
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
+        onebit_adam_zero(LR, freeze_step=2, stage=4)
+    with pytest.raises(ValueError, match="use jonebit.onebit_adam on a single device"):
+        sharded_init(onebit_adam_zero(LR, freeze_step=2, stage=2), params, mesh_of(1))
     mixed = {"a": np.zeros(16, np.float32), "b": np.zeros(16, np.float16)}
     with pytest.raises(TypeError, match="fused=False"):
-        sharded_init(onebit_adam(LR, freeze_step=2, zero_stage=3, fused=True), mixed, mesh_of(2))
-    assert jonebit.onebit_adam(LR, freeze_step=2, zero_stage=3, fused=False) is not None
+        sharded_init(onebit_adam_zero(LR, freeze_step=2, stage=3, fused=True), mixed, mesh_of(2))
+    assert jonebit.onebit_adam_zero(LR, freeze_step=2, stage=3, fused=False) is not None

@@ -46,10 +46,25 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jonebit.comm.backends import as_varying
+from jonebit.comm.backends import as_varying, get_backend
 from jonebit.comm.compressed import _SCALE_BYTES, compressed_allreduce_rows_many, decode_rows, padded_size
+from jonebit.transforms.base import (
+    ScalarOrSchedule,
+    check_bool,
+    check_float_leaves,
+    check_local_grads,
+    check_matching_grads,
+    check_nonempty_leaves,
+    check_scalar,
+    is_number,
+    mask_leaves,
+    normalise_mask,
+)
 
 ZERO_STAGES = (1, 2, 3)
+#: The phases of an update, by the index ``state.phase`` holds.
+PHASES = ("warmup", "first_compression", "compression")
+WARMUP, FIRST_COMPRESSION, COMPRESSION = range(3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +144,7 @@ def check_flat_dtypes(layout: FlatLayout) -> None:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class OneBitAdamZeroState:
-    """State of :func:`~jonebit.onebit_adam` with ``zero_stage >= 1`` (per-device view).
+    """State of :func:`onebit_adam_zero` (per-device view).
 
     Per buffer ``g`` of the :class:`FlatLayout` (chunk ``C_g``, padded length ``N_g``):
 
@@ -142,7 +157,7 @@ class OneBitAdamZeroState:
         (replicated; valid from the first compression step on).
       worker_error: ``(1, N_g)`` float32, this rank's worker error.
       server_error: ``(1, C_g)`` float32, this rank's server error.
-      skipped: updates skipped because some rank's gradient was not finite (int32, replicated; not in ``count``).
+      phase: the phase the last update ran, an index into :data:`PHASES` (int32).
       stage: the ZeRO stage (static).
     """
 
@@ -153,8 +168,10 @@ class OneBitAdamZeroState:
     m_rows: tuple
     worker_error: tuple
     server_error: tuple
-    skipped: jax.Array
+    phase: jax.Array
     stage: int = dataclasses.field(default=1, metadata=dict(static=True))
+
+    PHASES = PHASES
 
 
 def zero_state_specs(state: OneBitAdamZeroState, axis_name: str) -> OneBitAdamZeroState:
@@ -162,7 +179,7 @@ def zero_state_specs(state: OneBitAdamZeroState, axis_name: str) -> OneBitAdamZe
     rep = lambda t: tuple(P() for _ in t)  # noqa: E731
     return OneBitAdamZeroState(
         count=P(), mu=rows(state.mu), nu=rows(state.nu), nu_full=rep(state.nu_full), m_rows=rep(state.m_rows),
-        worker_error=rows(state.worker_error), server_error=rows(state.server_error), skipped=P(), stage=state.stage,
+        worker_error=rows(state.worker_error), server_error=rows(state.server_error), phase=P(), stage=state.stage,
     )
 
 
@@ -178,7 +195,7 @@ def init_zero_state(layout: FlatLayout, stage: int) -> OneBitAdamZeroState:
         m_rows=tuple(jnp.zeros((p, layout.chunk(g) // 8 + _SCALE_BYTES), jnp.uint8) for g in range(n)),
         worker_error=tuple(z(1, layout.padded(g)) for g in range(n)),
         server_error=tuple(z(1, layout.chunk(g)) for g in range(n)),
-        skipped=jnp.zeros([], jnp.int32),
+        phase=jnp.zeros([], jnp.int32),
         stage=stage,
     )
 
@@ -198,15 +215,12 @@ def step_scalars(count, *, b1, b2, freeze_step: int, bias_correction: bool, lear
 
 def zero_update(
     *, backend, layout: FlatLayout, stage: int, freeze_step: int, b1, b2, eps, weight_decay, decays: bool,
-    mask_bufs, bias_correction: bool, learning_rate, error_feedback: bool, grads, state: OneBitAdamZeroState,
-    params, skip=None, on_skip=None,
+    mask_bufs, bias_correction: bool, learning_rate, grads, state: OneBitAdamZeroState, params,
 ):
     """One 1-bit Adam update with ZeRO partitioning (per-device view, inside shard_map over the data axis).
 
     ``grads``: this rank's local gradient tree. ``params``: the full tree (stages 1, 2) or this rank's ``(1, C_g)``
-    chunks (stage 3). Returns ``(updates, new_state)``, updates shaped like ``params``. ``skip``: an optional
-    boolean scalar, the same on all ranks; when True the update is zero and the state unchanged but for
-    ``skipped + 1``, and ``on_skip(count)`` is called in that branch.
+    chunks (stage 3). Returns ``(updates, new_state)``, updates shaped like ``params``.
     """
     axis = backend.axis_name
     p = backend.size
@@ -285,8 +299,6 @@ def zero_update(
             # One compressed allreduce per buffer, all sharing one all-to-all and one all-gather.
             new_rows, new_we, new_se = compressed_allreduce_rows_many(
                 backend, xs, [e[0] for e in we], [e[0] for e in se])
-            if not error_feedback:
-                new_we, new_se = [jnp.zeros_like(e) for e in new_we], [jnp.zeros_like(e) for e in new_se]
             new_mu, new_nfull, u_chunks, u_full = [], [], [], []
             for g, rows in enumerate(new_rows):
                 m_own = masked(decode_rows(lax.dynamic_index_in_dim(rows, r, keepdims=False)), g, chunk=True)
@@ -305,24 +317,14 @@ def zero_update(
 
         return branch
 
-    def skipped(_):
-        if on_skip is not None:
-            on_skip(count)
-        zeros = tuple(jnp.zeros(layout.chunk(g), jnp.float32) for g in range(ngroups))
-        full = tuple(jnp.zeros(layout.padded(g), jnp.float32) for g in range(ngroups))
-        return finish(zeros, full), (mu, nu, nu_full, m_rows, we, se)
-
-    index = jnp.where(count < freeze_step, 0, jnp.where(count == freeze_step, 1, 2))
-    skip = jnp.zeros((), bool) if skip is None else skip
-    index = jnp.where(skip, 3, index)  # the skip branch comes last: the others keep their indices
+    phase = jnp.where(count < freeze_step, WARMUP, jnp.where(count == freeze_step, FIRST_COMPRESSION, COMPRESSION))
     updates, (mu, nu, nu_full, m_rows, we, se) = lax.switch(
-        index, (warmup, compression(True), compression(False), skipped), None)
+        phase, (warmup, compression(True), compression(False)), None)
     if stage == 3:
         updates = tuple(u.astype(c.dtype) for u, c in zip(updates, params, strict=True))
     new_state = OneBitAdamZeroState(
-        count=jnp.where(skip, count, optax.safe_int32_increment(count)), mu=mu, nu=nu, nu_full=nu_full,
-        m_rows=m_rows, worker_error=we, server_error=se, skipped=state.skipped + skip.astype(jnp.int32),
-        stage=stage,
+        count=optax.safe_int32_increment(count), mu=mu, nu=nu, nu_full=nu_full, m_rows=m_rows, worker_error=we,
+        server_error=se, phase=phase.astype(jnp.int32), stage=stage,
     )
     return updates, new_state
 
@@ -355,3 +357,107 @@ def flat_mask(mask_leaves, layout: FlatLayout):
     out = tuple(None if all(mask_leaves[i] is None for i in idx) else builder(idx, layout.padded(g))
                 for g, idx in enumerate(layout.groups))
     return None if all(b is None for b in out) else out
+
+
+WHO = "onebit_adam_zero"
+
+
+def onebit_adam_zero(
+    learning_rate: ScalarOrSchedule,
+    *,
+    freeze_step: int,
+    stage: int,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    exp_avg_mask: Any = None,
+    bias_correction: bool = True,
+    fused: bool = False,
+    axis_name: str = "data",
+) -> optax.GradientTransformation:
+    """1-bit Adam with its state partitioned over the ranks of ``axis_name`` (ZeRO ``stage`` 1, 2 or 3).
+
+    The same algorithm as :func:`jonebit.onebit_adam` (see the module docstring for which buffers each stage
+    partitions and what it costs), with DeepSpeed's arithmetic for elements no gradient has reached (no
+    ``mask_unseen``), over a single ``jax.shard_map`` axis. Build the step with
+    :func:`jonebit.train.zero.make_zero_step` (or the engine's ``zero_optimization.stage``); clip the local gradient
+    in front if needed: ``optax.chain(optax.clip_by_global_norm(norm), onebit_adam_zero(...))``.
+
+    Args:
+      learning_rate: a float or an optax schedule of the update count (0-based).
+      freeze_step: number of full-precision Adam updates before compression starts (>= 1).
+      stage: 1 or 2 (momentum and variance partitioned during warmup, the synchronised momentum kept as packed
+        signs, the frozen variance whole) or 3 (also the parameters, as the server chunks of the flattened tree:
+        ``update`` then takes and returns this rank's chunks).
+      b1: momentum decay.
+      b2: variance decay.
+      eps: added to ``sqrt(v)``.
+      weight_decay: decoupled weight decay; needs ``params`` in ``update``.
+      exp_avg_mask: as :func:`jonebit.onebit_adam`'s.
+      bias_correction: Adam's bias correction (the variance's frozen with it); ``False`` is DeepSpeed's.
+      fused: one flat buffer for all leaves (``True``) or one per leaf (``False``).
+      axis_name: the data-parallel mesh axis (at least 2 ranks).
+    """
+    if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
+        raise ValueError(f"{WHO}: freeze_step must be an int >= 1, got {freeze_step!r}")
+    if isinstance(stage, bool) or not isinstance(stage, int):
+        raise TypeError(f"{WHO}: stage must be a Python int (it decides the state layout), got "
+                        f"{type(stage).__name__}; under optax.inject_hyperparams list it in static_args")
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"{WHO}: stage must be 1, 2 or 3, got {stage!r} (stage 0 is jonebit.onebit_adam)")
+    check_scalar(WHO, "learning_rate", learning_rate, low=0.0, schedule=True)
+    check_scalar(WHO, "b1", b1, low=0.0, high=1.0, open_high=True)
+    check_scalar(WHO, "b2", b2, low=0.0, high=1.0, open_high=True)
+    check_scalar(WHO, "eps", eps, low=0.0, open_low=True)
+    check_scalar(WHO, "weight_decay", weight_decay, low=0.0)
+    check_bool(WHO, "bias_correction", bias_correction)
+    check_bool(WHO, "fused", fused)
+    if not isinstance(axis_name, str):
+        raise TypeError(f"{WHO}: axis_name must be the data axis of a shard_map mesh (str), got {axis_name!r}")
+    exp_avg_mask = normalise_mask(exp_avg_mask, WHO)
+    decays = not (is_number(weight_decay) and weight_decay == 0)
+
+    def backend_of():
+        backend = get_backend(axis_name)
+        if backend.size < 2:
+            raise ValueError(
+                f"{WHO}: stage={stage} partitions over the ranks of axis {axis_name!r}, which has "
+                f"{backend.size}; use jonebit.onebit_adam on a single device"
+            )
+        return backend
+
+    def init_fn(params):
+        check_float_leaves(params, "param", WHO)
+        check_nonempty_leaves(params, WHO)
+        mask_leaves(exp_avg_mask, params, WHO)
+        layout = FlatLayout.of(params, backend_of().size, fused)
+        if stage == 3:
+            check_flat_dtypes(layout)
+        return init_zero_state(layout, stage)
+
+    def update_fn(grads, state, params=None):
+        if params is None:
+            raise ValueError(f"{WHO}(stage={stage}) needs params: call update(grads, state, params)")
+        check_float_leaves(grads, "gradient", WHO)
+        backend = backend_of()
+        check_local_grads(grads, backend, WHO)
+        layout = FlatLayout.of(grads if stage == 3 else params, backend.size, fused)
+        if stage != 3:
+            check_matching_grads(grads, params, "params", WHO)
+        # The state's chunks follow the layout of the tree given to init: a different gradient tree shows here.
+        want = tuple((1, layout.chunk(g)) for g in range(len(layout.groups)))
+        have = tuple(tuple(m.shape) for m in state.mu)
+        if want != have:
+            raise ValueError(
+                f"{WHO}: the gradients do not match the params the optimizer state was made for: their flat "
+                f"buffers have chunks {want}, the state {have} (same tree, shapes and fused={fused} as in init)"
+            )
+        mask = mask_leaves(exp_avg_mask, grads, WHO)
+        return zero_update(
+            backend=backend, layout=layout, stage=stage, freeze_step=freeze_step, b1=b1, b2=b2, eps=eps,
+            weight_decay=weight_decay, decays=decays, mask_bufs=flat_mask(mask, layout),
+            bias_correction=bias_correction, learning_rate=learning_rate, grads=grads, state=state, params=params,
+        )
+
+    return optax.GradientTransformation(init_fn, update_fn)
