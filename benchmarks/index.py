@@ -53,16 +53,17 @@ def _extrapolate(d: dict) -> str:
             f"hierarchical {min(hier):.1f}-{max(hier):.1f}x")
 
 
+def _mpi_ratios(d: dict) -> str:
+    """compressed / allreduce time at the largest buffer, per world size."""
+    return ", ".join(f"{k[2:]} ranks {d[k]['rows'][-1]['compressed_s'] / d[k]['rows'][-1]['allreduce_s']:.2f}x"
+                     for k in sorted(k for k in d if k.startswith("np")))
+
+
 def _mpi_allreduce(d: dict) -> str:
-    parts = []
-    for key in sorted(k for k in d if k.startswith("np")):
-        last = d[key]["rows"][-1]
-        parts.append(f"{key[2:]} ranks, {last['n']:,} floats: {last['compressed_s'] / last['allreduce_s']:.2f}x")
-    return "compressed / allreduce time: " + "; ".join(parts)
-
-
-def _mpi_allreduce_runs(d: dict) -> str:
-    return _mpi_allreduce(d["runs"][0]) if "runs" in d else _mpi_allreduce(d)
+    if "runs" in d:  # several runs in one file
+        return "compressed / allreduce time, largest buffer: " + "; ".join(
+            f"{name}: {_mpi_ratios(run)}" for name, run in d["runs"].items())
+    return "compressed / allreduce time, largest buffer: " + _mpi_ratios(d)
 
 
 def _gpu_suite(d: dict) -> str:
@@ -99,7 +100,7 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
                                                                        for r in d["runs"]),
     "gpu_suite": _gpu_suite,
     "mlm_head": lambda d: f"masked-positions head {d['speedup']:.2f}x faster",
-    "mpi_allreduce": _mpi_allreduce_runs,
+    "mpi_allreduce": _mpi_allreduce,
     "onebit_zero": lambda d: "1-bit Adam bytes/param by stage: " + ", ".join(
         f"{r['stage']}: {r['bytes_per_param']:.2f}" for r in d["rows"] if r["optimizer"] != "AdamW"),
     "perleaf_compile": _perleaf_compile,
@@ -123,10 +124,17 @@ def headline(script: str, data: dict | None) -> str:
 
 
 def last_change_date(path: pathlib.Path) -> str:
-    """Date (YYYY-MM-DD) of the last commit that added or changed ``path`` (renames followed, not counted)."""
-    out = subprocess.run(["git", "log", "--follow", "--diff-filter=AM", "-1", "--format=%cs", "--", str(path)],
+    """Date (YYYY-MM-DD) of the last commit that added or changed ``path``: renames are followed and a commit that
+    only renamed it (R100) is skipped."""
+    out = subprocess.run(["git", "log", "--follow", "--format=date %cs", "--name-status", "--", str(path)],
                          cwd=ROOT, capture_output=True, text=True)
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "not committed"
+    date = None
+    for line in out.stdout.splitlines() if out.returncode == 0 else []:
+        if line.startswith("date "):
+            date = line[5:]
+        elif line.strip() and date and not line.startswith("R100"):
+            return date
+    return "not committed"
 
 
 def row(script: str, folder: pathlib.Path, stem: str, files: list[pathlib.Path]) -> str:
@@ -137,7 +145,8 @@ def row(script: str, folder: pathlib.Path, stem: str, files: list[pathlib.Path])
             data = json.loads(main.read_text())
         except (OSError, ValueError):
             data = None
-    meta = data.get("meta") if isinstance(data, dict) and "command" in data.get("meta", {}) else None
+    meta = data.get("meta") if isinstance(data, dict) else None
+    meta = meta if isinstance(meta, dict) and "command" in meta else None
     first = main or files[0]
     if meta:
         date, commit = meta["date"][:10], (meta.get("commit") or "unknown")[:10] + (" (dirty)" if meta.get("dirty")
