@@ -39,7 +39,7 @@ html_title = f"jonebit {release}"
 # The guides link to the benchmark reports as the repository lays them out (../benchmarks/NAME.md), which is
 # right when reading them on the repository; the site carries those reports as docs/benchmarks/NAME.md (pages
 # that include them). These two hooks point the links at the site's pages.
-_BENCH_LINK = re.compile(r"\]\(\.\./benchmarks/([A-Z]+\.md)")
+_BENCH_LINK = re.compile(r"\]\(\.\./benchmarks/((?:results/)?[A-Z]+\.md)")
 
 
 def _guide_links(app, docname, source):
@@ -48,11 +48,22 @@ def _guide_links(app, docname, source):
 
 
 def _report_links(app, relative_path, parent_docname, content):
-    # Inside an included report, the page is docs/benchmarks/NAME.md: its links to ../docs/X become ../X, and
-    # its links to result files point into the repository's benchmarks/results (copied as downloads).
-    if pathlib.PurePath(relative_path).parent.as_posix() == "../benchmarks":
-        text = content[0].replace("](../docs/", "](../")
-        content[0] = re.sub(r"\]\((results/[^)\s]+)\)", r"](../../benchmarks/\1)", text)
+    # An included report ../benchmarks/SUB/NAME.md is the site's page docs/benchmarks/SUB/NAME.md: links between
+    # reports keep working as they are; links to ../docs/X lose the docs/ part; links to other files (results,
+    # figures) are pointed back at the repository's copy, which Sphinx then copies into the site.
+    here = pathlib.PurePosixPath(pathlib.PurePath(relative_path).as_posix()).parent
+    if here.parts[:2] != ("..", "benchmarks"):
+        return
+    up = "../" * len(here.parts) + "/".join(here.parts[1:]) + "/"
+
+    def fix(m):
+        target = m.group(2)
+        if target.startswith(("http:", "https:", "#", "../")) or target.split("#")[0].endswith(".md"):
+            return m.group(0)
+        return f"{m.group(1)}({up}{target})"
+
+    text = re.sub(r"\]\(((?:\.\./)+)docs/", r"](\1", content[0])
+    content[0] = re.sub(r"(\])\(([^)\s]+)\)", fix, text)
 
 
 def setup(app):
