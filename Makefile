@@ -67,4 +67,4 @@ bench-mpi: $(VENV)/.stamp-mpi
 		mpirun --oversubscribe -np 2 $(PY) benchmarks/mpi_allreduce.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) docs/_build
