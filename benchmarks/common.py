@@ -14,11 +14,9 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from report import table  # noqa: E402, F401  (re-exported: the scripts import it from here)
+from report import RESULTS, result_path, run_meta, table  # noqa: E402, F401  (re-exported for the scripts)
 
 from jonebit.transforms.onebit_adam import state_specs  # noqa: E402
-
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
 def bert_base_shapes(vocab: int = 30522, hidden: int = 768, layers: int = 12, positions: int = 512) -> dict:
@@ -66,10 +64,13 @@ def abstract_state(tx, params, mesh, axis: str = "data"):
     return jax.eval_shape(init, params), specs
 
 
-def write_json(name: str, payload: dict) -> pathlib.Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    payload = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
-                           "backend": jax.default_backend(), "devices": jax.device_count()}, **payload}
-    path = RESULTS / f"{name}.json"
+def write_json(script: str, payload: dict, tag: str = "") -> pathlib.Path:
+    """Writes ``payload`` to ``results/<script>/<tag or script>.json`` with a ``meta`` block (command line, git
+    commit, UTC date; see ``report.run_meta``) and a ``machine`` block in front; returns the path."""
+    path = result_path(script, tag)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"meta": run_meta(), "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                                               "jax": jax.__version__, "backend": jax.default_backend(),
+                                               "devices": jax.device_count()}, **payload}
     path.write_text(json.dumps(payload, indent=2))
     return path

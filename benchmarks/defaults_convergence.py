@@ -18,7 +18,7 @@ The embedded pre-training job of ``jonebit pretrain`` (a tiny BERT, MLM + NSP, o
 1-bit Adam freezes the variance after ``--freeze`` of the steps (default 20%, the benchmark's setting since its first
 run; the embedded default of ``jonebit pretrain`` freezes at 40%, see BENCHMARKS.md). The table gives the held-out
 MLM loss at the end and the gap to Adam; the figure the training curves. Results:
-``benchmarks/results/defaults_convergence.{json,png}``.
+``benchmarks/results/defaults_convergence/defaults_convergence.{json,png}`` (with ``--tag T``: ``T.{json,png}``).
 
     python benchmarks/defaults_convergence.py                 # 300 steps, ~15-25 min on 2 busy cores
     python benchmarks/defaults_convergence.py --steps 100     # a quicker look
@@ -42,7 +42,7 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.common import RESULTS, write_json  # noqa: E402  (sets 8 CPU devices)
+from benchmarks.common import write_json  # noqa: E402  (sets 8 CPU devices)
 
 # Rules for a run of a few hundred updates (the default checks every 50 updates, for runs of thousands): the median
 # tensor's bias-corrected ||v|| moving < 20% (tuned) or < 10% (strict) per 10 updates, 3 checks in a row.
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dupe-factor", type=int, default=5)
     ap.add_argument("--freeze", type=float, default=0.2, help="1-bit Adam's warmup as a fraction of the steps")
     ap.add_argument("--eval-batches", type=int, default=20)
-    ap.add_argument("--tag", default="", help="result file suffix (defaults_convergence_TAG.json)")
+    ap.add_argument("--tag", default="", help="result file name (results/defaults_convergence/TAG.json)")
     ap.add_argument("--workdir", default="runs/defaults_convergence")
     ap.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint each run every N steps (0: at the end)")
     ap.add_argument("--resume", action="store_true",
@@ -176,8 +176,8 @@ def main(argv=None) -> int:
                "steps": args.steps, "until_step": stop, "batch_size": args.batch_size, "seq_len": args.seq_len,
                "lr": args.lr,
                "model": args.model, "corpus": args.corpus or "pydoc_data", "freeze": args.freeze, "rows": rows}
-    path = write_json("defaults_convergence" + (f"_{args.tag}" if args.tag else ""), payload)
-    png = RESULTS / f"{path.stem}.png"
+    path = write_json("defaults_convergence", payload, tag=args.tag)
+    png = path.with_suffix(".png")
     plot_runs(outputs, png, labels=[r["variant"] for r in rows], smooth=1)
     print(f"wrote {path} and {png}")
     return 0

@@ -16,8 +16,8 @@ Timed arms alternate step by step and medians are reported, so drift in clocks o
     python benchmarks/gpu_suite.py                      # GPU, sized for < 6 minutes on one H200
     python benchmarks/gpu_suite.py --dry-run --out x.json  # CPU, tiny sizes, same code paths (tens of seconds)
 
-Writes one JSON file (default ``benchmarks/results/gpu_suite.json``; the dry run defaults to a temporary file),
-rewritten after every section so that an interrupted run keeps what it measured. With ``$OUT`` set and no
+Writes one JSON file (default ``benchmarks/results/gpu_suite/gpu_suite.json``; the dry run defaults to a temporary
+file), rewritten after every section so that an interrupted run keeps what it measured. With ``$OUT`` set and no
 ``--out``, the JSON is also copied to ``$OUT/gpu_suite.json``.
 """
 
@@ -38,7 +38,7 @@ import traceback
 
 START = time.perf_counter()
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_suite.json"
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_suite" / "gpu_suite.json"
 
 # Peaks by jax.devices()[0].device_kind: HBM bytes/s and dense bf16 FLOP/s (vendor datasheets, SXM parts).
 PEAKS = {
@@ -84,7 +84,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-import report  # noqa: E402
+import report as report_md  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jonebit  # noqa: E402
@@ -152,7 +152,7 @@ def interleave(arms: dict, warmup: int, repeats: int, clock: Clock | None = None
 
 
 def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
-    return report.table(rows, columns, decimals=3, whole_above=100)
+    return report_md.table(rows, columns, decimals=3, whole_above=100)
 
 
 def say(text: str = "") -> None:
@@ -486,8 +486,8 @@ def main(args: argparse.Namespace, argv: list[str]) -> dict:
         extra = pathlib.Path(os.environ["OUT"]) / "gpu_suite.json" if os.environ.get("OUT") else None
     clock = Clock(args.budget_s)
     env = environment(argv)
-    report = {"suite": "gpu_suite", "dry_run": args.dry_run, "sizes": {**size, "repeats": repeats,
-                                                                         "bert_batch": batch_size},
+    report = {"meta": report_md.run_meta(argv), "suite": "gpu_suite", "dry_run": args.dry_run,
+              "sizes": {**size, "repeats": repeats, "bert_batch": batch_size},
               "budget_s": args.budget_s, "environment": env}
     say(f"jonebit GPU suite{' (dry run)' if args.dry_run else ''}: {env['device_kind']} x {env['device_count']} "
         f"({env['backend']}), jax {env['jax']}")

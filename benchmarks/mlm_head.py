@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     ap.add_argument("--predictions", type=int, default=20, help="masked positions per sequence")
     ap.add_argument("--vocab-size", type=int, default=30522)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--tag", default="", help="result file suffix (mlm_head_TAG.json)")
+    ap.add_argument("--tag", default="", help="result file name (results/mlm_head/TAG.json)")
     args = ap.parse_args(argv)
     if not 0 < args.predictions <= args.seq - 2:
         ap.error(f"--predictions {args.predictions} must be between 1 and --seq - 2 ({args.seq - 2})")
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         print(f"| {k} | {best[k]:.3f} | {tokens / best[k]:,.0f} | {losses[k]:.5f} |")
     ratio = best["every position"] / best["masked positions"]
     print(f"masked positions only: {ratio:.2f}x faster")
-    path = write_json("mlm_head" + (f"_{args.tag}" if args.tag else ""), {
+    path = write_json("mlm_head", tag=args.tag, payload={
         "command": " ".join(["python", "benchmarks/mlm_head.py", *(argv if argv is not None else sys.argv[1:])]),
         "config": args.config, "batch": n, "seq": L, "predictions": P, "vocab_size": args.vocab_size,
         "seconds": times, "best": best, "loss": losses, "speedup": ratio})

@@ -6,7 +6,7 @@ For each size N: the median time of one jitted call (after a compile/warm-up cal
 (a) ``mpi4jax.allreduce`` of N float32 then ``/ P`` (MPI_Allreduce, the library's algorithm),
 (b) ``MPIBackend.mean`` ("ordered": all-to-all + rank-order sum + all-gather, the bitwise-reproducible mean),
 (c) ``compressed_allreduce`` (1-bit signs + scales, error feedback).
-Algorithmic bandwidth = 4 N bytes / time. Rank 0 prints a table and writes ``results/mpi_allreduce.json``.
+Algorithmic bandwidth = 4 N bytes / time. Rank 0 prints a table and writes ``results/mpi_allreduce/mpi_allreduce.json``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from mpi4py import MPI  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from jonebit.comm import MPIBackend, compressed_allreduce, compressed_bytes_per_rank, padded_size  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "mpi_allreduce"
 
 
 def timed(fn, args, reps, comm):
@@ -110,7 +110,10 @@ def main() -> None:
         out = pathlib.Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         existing = json.loads(out.read_text()) if out.exists() else {}
-        existing[f"np{world}"] = {"meta": meta, "rows": rows}
+        from benchmarks.report import run_meta
+
+        existing["meta"] = run_meta()  # the latest invocation; each world size keeps its own below
+        existing[f"np{world}"] = {"meta": {**meta, **existing["meta"]}, "rows": rows}
         out.write_text(json.dumps(existing, indent=2) + "\n")
         print(f"wrote {out}")
 

@@ -109,7 +109,7 @@ def main():
     ap.add_argument("--compiles", type=int, default=3, help="compilations per mode (alternating)")
     ap.add_argument("--repeats", type=int, default=15, help="timed steps per mode (alternating)")
     ap.add_argument("--devices", type=int, default=8)
-    ap.add_argument("--name", default="perleaf_compile")
+    ap.add_argument("--tag", default="", help="result file name (results/perleaf_compile/TAG.json)")
     args = ap.parse_args()
     mesh = data_mesh(args.devices)
     rows, raw = [], {}
@@ -147,8 +147,9 @@ def main():
     print(f"\nfused=False onebit_adam update (compression stage), H={args.hidden}, {mesh.size} devices "
           f"({jax.default_backend()}); medians of {args.compiles} compiles / {args.repeats} steps, min-max\n")
     print(table(rows, COLUMNS))
-    path = write_json(args.name, {"hidden": args.hidden, "devices": mesh.size, "compiles": args.compiles,
-                                  "repeats": args.repeats, "rows": rows, "raw": raw})
+    path = write_json("perleaf_compile", tag=args.tag, payload={
+        "hidden": args.hidden, "devices": mesh.size, "compiles": args.compiles, "repeats": args.repeats,
+        "rows": rows, "raw": raw})
     print(f"\nwrote {path}")
 
 

@@ -1,7 +1,47 @@
-"""Markdown tables for the benchmark scripts (no jax import, so a script that must choose its own platform, such
-as ``gpu_suite.py``, can use it)."""
+"""Output helpers of the benchmark scripts: where results go, the ``meta`` block each result file records, and
+Markdown tables. No jax import, so a script that must choose its own platform, such as ``gpu_suite.py``, can use it.
+
+Each script writes into ``benchmarks/results/<script>/``: its untagged result as ``<script>.json``, a tagged one
+(``--tag T``) as ``T.json``, a figure beside its JSON with the same stem.
+"""
 
 from __future__ import annotations
+
+import datetime
+import pathlib
+import shlex
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def result_path(script: str, tag: str = "", suffix: str = ".json") -> pathlib.Path:
+    """``benchmarks/results/<script>/<tag or script><suffix>`` (the folder is not created here)."""
+    return RESULTS / script / f"{tag or script}{suffix}"
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def run_meta(argv: list[str] | None = None) -> dict:
+    """What a result file records about the run that wrote it: the command line (``python`` + the script path
+    relative to the repository + its arguments), the git commit (None outside a checkout; ``dirty`` when tracked
+    files had uncommitted changes) and the date (UTC, ISO 8601)."""
+    argv = list(sys.argv if argv is None else argv)
+    if argv:
+        script = pathlib.Path(argv[0]).resolve()
+        argv[0] = str(script.relative_to(ROOT)) if script.is_relative_to(ROOT) else argv[0]
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {"command": shlex.join(["python", *argv]), "commit": _git("rev-parse", "HEAD"),
+            "dirty": bool(status) if status is not None else None,
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
 
 
 def table(rows: list[dict], columns: list[tuple[str, str]], *, decimals: int = 2, whole_above: float = 1e4) -> str:

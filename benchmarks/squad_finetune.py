@@ -93,7 +93,7 @@ def main() -> None:
     p.add_argument("--optimizers", nargs="+", default=["adam", "onebit_adam"], choices=["adam", "onebit_adam"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="runs/squad_finetune")
-    p.add_argument("--tag", help="also write benchmarks/results/squad_finetune_TAG.{json,png} (the curves)")
+    p.add_argument("--tag", help="also write benchmarks/results/squad_finetune/TAG.{json,png} (the curves)")
     args = p.parse_args()
 
     from jonebit.squad_train import run
@@ -128,13 +128,18 @@ def main() -> None:
     if args.tag:
         from jonebit.plot import plot_runs, read_metrics
 
-        stem = pathlib.Path(__file__).resolve().parent / "results" / f"squad_finetune_{args.tag}"
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+        from benchmarks.report import result_path, run_meta
+
+        path, png = result_path("squad_finetune", args.tag), result_path("squad_finetune", args.tag, suffix=".png")
+        path.parent.mkdir(parents=True, exist_ok=True)
         curves = {r["optimizer"]: read_metrics(out / r["optimizer"]) for r in rows}
-        payload = {"command": " ".join(["python", "benchmarks/squad_finetune.py", *sys.argv[1:]]), "setup": setup,
+        payload = {"meta": run_meta(), "command": " ".join(["python", "benchmarks/squad_finetune.py", *sys.argv[1:]]),
+                   "setup": setup,
                    "runs": rows, "curves": {k: [(c["step"], c["loss"]) for c in v] for k, v in curves.items()}}
-        stem.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
-        plot_runs([out / r["optimizer"] for r in rows], stem.with_suffix(".png"), labels=[r["optimizer"] for r in rows])
-        print(f"written: {stem}.json and {stem}.png")
+        path.write_text(json.dumps(payload, indent=2) + "\n")
+        plot_runs([out / r["optimizer"] for r in rows], png, labels=[r["optimizer"] for r in rows])
+        print(f"written: {path} and {png}")
 
 
 if __name__ == "__main__":

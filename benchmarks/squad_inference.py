@@ -35,7 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--rounds", type=int, default=3, help="timed rounds per framework and batch size")
     p.add_argument("--threads", type=int, default=1, help="cores both frameworks are pinned to")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "squad_inference.json"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "squad_inference" / "squad_inference.json"))
     args = p.parse_args(argv)
     if args.windows < 1 or args.rounds < 1 or args.threads < 1 or any(b < 1 for b in args.batch_sizes):
         p.error("--windows, --rounds, --threads and every --batch-sizes must be >= 1")
@@ -177,9 +177,12 @@ def main(args) -> int:
     import jax
     import torch
 
+    from benchmarks.report import run_meta
+
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(
+        meta=run_meta(),
         windows=n, seq=int(windows["input_ids"].shape[1]), checkpoint=_name(checkpoint), args=vars(args),
         rows=rows, fastest={k: v["batch"] for k, v in best.items()}, fastest_ratio=best_ratio,
         max_logit_difference=diff, times={k: {str(b): t for b, t in v.items()} for k, v in times.items()},

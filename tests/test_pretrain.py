@@ -61,7 +61,7 @@ def test_zero_one_adam_config_pretrains_and_exports(tmp_path):
     """A ZeroOneAdam DeepSpeed config through ``jonebit pretrain``, into its local steps (each rank moves its own
     parameter copy): it trains, evaluates, and exports a checkpoint (rank 0's copy) that loads. eps is 1e-3: with
     DeepSpeed's 1e-8 this run diverges (loss 6.7 -> 9.9 at update 8, also with mask_unseen): elements whose
-    variance is still tiny after so few variance steps are divided by sqrt(v) + eps (see the README's 0/1 Adam
+    variance is still tiny after so few variance steps are divided by sqrt(v) + eps (see docs/optimizers.md, 0/1 Adam
     notes)."""
     from jonebit.models.bert import BertForPreTraining, load_hf_checkpoint
 

@@ -1,8 +1,8 @@
-"""Every ```python block of README.md runs, in order, as written.
+"""Every ```python block of README.md and of the guides in docs/*.md runs, in order, as written.
 
-Blocks share one namespace, like a reader who types them into one session. What the README leaves to the reader
-(a model's ``params``, its ``loss_fn``, the ``batches``) comes from a small prelude defined here, chosen by what
-the block uses:
+Each file runs in its own namespace, which its blocks share, like a reader who types one page's blocks into one
+session. What a page leaves to the reader (a model's ``params``, its ``loss_fn``, the ``batches``) comes from a
+small prelude defined here, chosen by what the block uses:
 
 * the data-parallel and ZeRO blocks get a linear regression: ``params`` (a dict of two arrays), ``loss_fn``
   (mean squared error of the local batch) and ``batches`` (3 global batches of 16 rows);
@@ -35,7 +35,9 @@ import pytest
 from tests.mpi_util import ROOT, run_mpi
 
 README = ROOT / "README.md"
-FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.S | re.M)
+GUIDES = sorted((ROOT / "docs").glob("*.md"))  # the guides; docs/benchmarks/ only includes benchmarks/*.md
+PAGES = [README, *GUIDES]
+FENCE = re.compile(r"^```(\{[\w-]+\}|\w*)[^\n]*\n(.*?)^```", re.S | re.M)  # ```lang or a MyST ```{directive}
 
 
 def python_blocks(text: str) -> list[tuple[int, str]]:
@@ -89,14 +91,14 @@ def bert_prelude(ns: dict, where: pathlib.Path):
         }
 
     ns["batches"] = [batch() for _ in range(2)]
-    return nnx.split(model, nnx.Param, ...)[1]  # the parameters the README block starts from
+    return nnx.split(model, nnx.Param, ...)[1]  # the parameters the BERT block starts from
 
 
 def check_trained(ns: dict, before, line: int) -> None:
     """After a block that loops ``step`` over ``batches``: finite loss, parameters moved."""
-    assert np.isfinite(float(ns["loss"])), f"README block at line {line}: loss {ns['loss']}"
+    assert np.isfinite(float(ns["loss"])), f"block at line {line}: loss {ns['loss']}"
     moved = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - b))), ns["params"], before)
-    assert max(jax.tree.leaves(moved)) > 0, f"README block at line {line} did not change the parameters"
+    assert max(jax.tree.leaves(moved)) > 0, f"block at line {line} did not change the parameters"
 
 
 def run_built_step(ns: dict, before, line: int) -> None:
@@ -120,38 +122,46 @@ def run_defined_step(ns: dict, line: int) -> None:
     library = make_step(ns["loss_fn"], tx, mesh, specs, donate=False)
     want_params, _, want_loss = library(params, opt_state, batch)
     got_params, _, got_loss = ns["step"](params, opt_state, batch)
-    np.testing.assert_array_equal(np.asarray(got_loss), np.asarray(want_loss), err_msg=f"README line {line}")
+    np.testing.assert_array_equal(np.asarray(got_loss), np.asarray(want_loss), err_msg=f"line {line}")
     for got, want in zip(jax.tree.leaves(got_params), jax.tree.leaves(want_params), strict=True):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"README line {line}")
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"line {line}")
+
+
+def name(page: pathlib.Path) -> str:
+    return str(page.relative_to(ROOT))
 
 
 def test_readme_has_python_blocks():
-    blocks = python_blocks(README.read_text())
-    assert len(blocks) >= 5, blocks
-    # Every fenced block says what it is: an unlabelled fence would silently escape this test.
-    labels = [m.group(1) for m in FENCE.finditer(README.read_text())]
-    assert "" not in labels, "README has a ``` block without a language; use ```python, ```bash or ```text"
+    assert len(python_blocks(README.read_text())) >= 3
+    assert sum(len(python_blocks(p.read_text())) for p in GUIDES) >= 5, "the guides' examples moved out of docs/?"
 
 
-@pytest.mark.slow
-def test_readme_python_blocks_run(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the BERT block reads "path/to/bert" relative to here
+@pytest.mark.parametrize("page", PAGES, ids=name)
+def test_every_fence_has_a_language(page):
+    # An unlabelled fence would silently escape the tests below.
+    labels = [m.group(1) for m in FENCE.finditer(page.read_text())]
+    assert "" not in labels, f"{name(page)} has a ``` block without a language; use ```python, ```bash or ```text"
+
+
+def run_page(page: pathlib.Path, tmp_path: pathlib.Path) -> int:
+    """Runs the page's non-MPI python blocks in one namespace; returns how many ran."""
     ns: dict = {"__name__": "readme"}
+    where = name(page)
     ran = 0
-    for line, code in python_blocks(README.read_text()):
+    for line, code in python_blocks(page.read_text()):
         if uses_mpi(code):
-            continue  # test_readme_mpi_blocks_run
+            continue  # test_mpi_blocks_run
         if "load_hf_checkpoint" in code:
             before = bert_prelude(ns, tmp_path)
         else:
             if "params" in code and "params" not in ns:
                 regression_prelude(ns)
             before = ns.get("params")
-        before = jax.tree.map(np.array, before)  # a copy: the README's steps donate their inputs
+        before = jax.tree.map(np.array, before)  # a copy: the blocks' steps donate their inputs
         try:
-            exec(compile(code, f"README.md:{line}", "exec"), ns)  # noqa: S102 - executing the docs is the test
+            exec(compile(code, f"{where}:{line}", "exec"), ns)  # noqa: S102 - executing the docs is the test
         except Exception as e:
-            raise AssertionError(f"README.md python block at line {line} raised {type(e).__name__}: {e}") from e
+            raise AssertionError(f"{where} python block at line {line} raised {type(e).__name__}: {e}") from e
         ran += 1
         if re.search(r"^for batch in batches:", code, re.M):
             check_trained(ns, before, line)
@@ -161,13 +171,23 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
             run_built_step(ns, before, line)
         elif "jonebit.nnx.make_train_step(" in code:
             # y = sum of 8 standard normals: an untrained model's loss is about 8-10.
-            assert float(ns["loss"]) < 1.0, f"README.md:{line}: the NNX block did not train (loss {ns['loss']})"
-    assert ran >= 4
+            assert float(ns["loss"]) < 1.0, f"{where}:{line}: the NNX block did not train (loss {ns['loss']})"
+    return ran
+
+
+RUNNABLE = [p for p in PAGES if any(not uses_mpi(code) for _, code in python_blocks(p.read_text()))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", RUNNABLE, ids=name)
+def test_python_blocks_run(page, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the BERT block reads "path/to/bert" relative to here
+    assert run_page(page, tmp_path) >= 1
 
 
 MPI_EPILOGUE = textwrap.dedent(
     """
-    # Appended by tests/test_readme.py: three steps with the optimizer the README block built.
+    # Appended by tests/test_readme.py: three steps with the optimizer the block built.
     import json, sys
     import jax, jax.numpy as jnp, numpy as np, optax
     rank = MPI.COMM_WORLD.Get_rank()
@@ -186,16 +206,17 @@ MPI_EPILOGUE = textwrap.dedent(
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_readme_mpi_blocks_run(tmp_path):
-    blocks = [(line, code) for line, code in python_blocks(README.read_text()) if uses_mpi(code)]
-    assert blocks, "README shows the MPI path: its block should be tested"
-    for line, code in blocks:
-        script = tmp_path / f"readme_{line}.py"
+def test_mpi_blocks_run(tmp_path):
+    blocks = [(name(page), line, code) for page in PAGES for line, code in python_blocks(page.read_text())
+              if uses_mpi(code)]
+    assert blocks, "the docs show the MPI path: its block should be tested"
+    for where, line, code in blocks:
+        script = tmp_path / f"block_{line}.py"
         script.write_text("import pathlib\n" + code + MPI_EPILOGUE)
         run_mpi(2, script, str(tmp_path), timeout=300)
         ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
         # Each rank fed different gradients; the optimizer keeps the parameters identical on both.
-        assert ranks[0] == ranks[1], f"README.md:{line}: ranks disagree"
-        assert any(v != 0 for v in ranks[0]["w"]), f"README.md:{line}: parameters did not move"
+        assert ranks[0] == ranks[1], f"{where}:{line}: ranks disagree"
+        assert any(v != 0 for v in ranks[0]["w"]), f"{where}:{line}: parameters did not move"
         os.remove(tmp_path / "rank0.json")
         os.remove(tmp_path / "rank1.json")

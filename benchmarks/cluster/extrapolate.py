@@ -29,7 +29,7 @@ NIC, 16 to 64 nodes, no gradient accumulation (each GPU computes 4096 / GPUs seq
 - **Latency**: ``--latency-us`` per message round (ring all-reduce ``2 (P-1)`` rounds, all-gather /
   all-to-all ``P-1``), computed: the emulated links could not inject latency (no netem).
 
-Writes ``results/extrapolate.json`` and ``results/extrapolate.png`` and prints the table.
+Writes ``results/extrapolate/extrapolate.json`` and ``results/extrapolate/extrapolate.png`` and prints the table.
 
     python benchmarks/cluster/extrapolate.py                      # the defaults above
     python benchmarks/cluster/extrapolate.py --mfu 0.25 --efficiency 0.5 --out /tmp/x.json
@@ -46,12 +46,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cluster.model import host_link_bytes, message_rounds  # noqa: E402
+from benchmarks.report import run_meta  # noqa: E402
 from jonebit.comm import compressed_bytes_per_rank  # noqa: E402
 from jonebit.comm.accounting import Collective  # noqa: E402
 from jonebit.comm.compressed import padded_size  # noqa: E402
 from jonebit.comm.hierarchical import shard_size  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "benchmarks" / "results" / "extrapolate"
 PEAK_FLOPS = {"V100": 125e12, "A100": 312e12, "H100": 989e12}  # dense fp16/bf16 tensor, SXM datasheets
 DEEPSPEED_REPORTED = {"compression_stage": 6.6, "end_to_end": 3.5}  # BERT-Large, 40 Gbit/s Ethernet
 SCHEMES = ("adam", "onebit_flat", "onebit_hier")
@@ -208,7 +209,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     n = args.params or bert_large_params()
     rows = table(args, n)
-    report = dict(params=n, args=vars(args), deepspeed_reported=DEEPSPEED_REPORTED, rows=rows, model=__doc__)
+    report = dict(meta=run_meta(), params=n, args=vars(args), deepspeed_reported=DEEPSPEED_REPORTED, rows=rows,
+                  model=__doc__)
     print(f"BERT-Large, {n / 1e6:.1f}M parameters; {args.gbit:g} Gbit/s x {args.efficiency:g}, mfu {args.mfu:g}, "
           f"latency {args.latency_us:g} us")
     print(markdown(rows))

@@ -6,7 +6,7 @@ HTB classes between phases while the processes keep their compiled steps), reads
 every variant's boundary, and always tears the cluster down (also on an error, Ctrl-C or SIGTERM). With
 ``--launcher mpi`` one mpirun (in namespace 0) starts one rank per namespace instead, each namespace a node of
 its hostfile, reached through a remote-shell agent that enters the namespace (``netns.rsh_agent_script``).
-Writes ``results/cluster.json`` and ``results/cluster.png`` and prints the tables.
+Writes ``results/cluster/cluster.json`` and ``results/cluster/cluster.png`` and prints the tables.
 
     sudo .venv/bin/python benchmarks/cluster/run.py --hosts 2 4 --rates 1gbit 200mbit --model mini --repeats 5
     sudo .venv/bin/python benchmarks/cluster/run.py --launcher mpi --hosts 2 --rates 1gbit 200mbit --out x.json
@@ -51,8 +51,9 @@ from benchmarks.cluster.netns import (  # noqa: E402
     rsh_agent_script,
     run_command,
 )
+from benchmarks.report import run_meta  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "benchmarks" / "results" / "cluster"
 COORDINATOR_PORT = 12355  # inside a fresh namespace nothing else listens
 
 
@@ -276,7 +277,7 @@ def main(args) -> int:
         if any(left.values()):
             print(f"teardown left {left}; removing", file=sys.stderr)
             cleanup(args.prefix)
-    report = bwmodel.summarise(runs, args.rates)
+    report = {"meta": run_meta(), **bwmodel.summarise(runs, args.rates)}
     report.update(args=vars(args), load_average_at_end=os.getloadavg(), leftovers_after=left,
                   machine=dict(platform=platform.platform(), cpus=os.cpu_count()), raw=runs)
     out = pathlib.Path(args.out)

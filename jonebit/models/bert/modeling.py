@@ -30,12 +30,14 @@ class BertModelOutput:
 
 @struct.dataclass
 class BertForPreTrainingOutput:
-    """Args:
-    prediction_logits: ``[batch, seq, vocab]`` masked-LM logits (float32), or ``[batch, P, vocab]`` at the
-      ``masked_positions`` the model was called with.
-    seq_relationship_logits: ``[batch, 2]`` next-sentence logits (float32; 0 = is next).
-    last_hidden_state: the encoder output the heads were applied to.
-    masked_positions: ``[batch, P]`` the positions ``prediction_logits`` are at, or None for every position.
+    """What :class:`BertForPreTraining` returns.
+
+    Attributes:
+      prediction_logits: ``[batch, seq, vocab]`` masked-LM logits (float32), or ``[batch, P, vocab]`` at the
+        ``masked_positions`` the model was called with.
+      seq_relationship_logits: ``[batch, 2]`` next-sentence logits (float32; 0 = is next).
+      last_hidden_state: the encoder output the heads were applied to.
+      masked_positions: ``[batch, P]`` the positions ``prediction_logits`` are at, or None for every position.
     """
 
     prediction_logits: Array
