@@ -17,7 +17,7 @@ import optax
 from common import abstract, abstract_state, bert_base_shapes, count, mlp_shapes, table, write_json
 from jax.sharding import PartitionSpec as P
 
-from jonebit import onebit_adam
+from jonebit import OneBitAdamState, onebit_adam
 from jonebit.comm import compressed_bytes_per_rank
 from jonebit.comm.accounting import comm_report
 from jonebit.train.data_parallel import data_mesh, make_update
@@ -49,13 +49,15 @@ def main():
         per_leaf = step_report(onebit_adam(1e-3, freeze_step=100, fused=False), shapes, mesh, None)
         fp32 = step_report(optax.adamw(1e-3), shapes, mesh, "mean").always_bytes
         bf16 = step_report(optax.adamw(1e-3), shapes, mesh, "mean_bf16", compiled=False).always_bytes
-        # lax.cond(count < freeze_step, warmup, compression) lowers to branches [compression, warmup].
-        compression, warmup = onebit.branch_bytes(0), onebit.branch_bytes(1)
+        phases = onebit.phase_bytes(OneBitAdamState.PHASES)
+        compression, warmup = phases["compression"], phases["warmup"]
         rows.append(dict(
             tree=name, params=n, warmup=warmup, compression=compression,
-            compression_per_leaf=per_leaf.branch_bytes(0), formula=compressed_bytes_per_rank(n, p),
+            compression_per_leaf=per_leaf.phase_bytes(OneBitAdamState.PHASES)["compression"],
+            formula=compressed_bytes_per_rank(n, p),
             fp32_allreduce=fp32, bf16_allreduce=bf16, vs_fp32=fp32 / compression, vs_bf16=bf16 / compression,
-            compression_ops=" ".join(sorted(set(onebit.ops(0)))), seconds=round(time.perf_counter() - t0, 1),
+            compression_ops=" ".join(sorted(set(onebit.ops(OneBitAdamState.PHASES.index("compression"))))),
+            seconds=round(time.perf_counter() - t0, 1),
         ))
         print(f"{name}: compiled in {rows[-1]['seconds']} s", flush=True)
     cols = [("tree", "tree"), ("params", "params"), ("warmup", "warmup B/step"),

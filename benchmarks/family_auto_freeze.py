@@ -88,7 +88,7 @@ def main():
         f"1-bit LAMB, freeze_step={t // 5} (20%)": (jonebit.onebit_lamb(lamb_lr, freeze_step=t // 5), False, False),
     } | {
         f"1-bit LAMB, freeze_step='auto', threshold {th:g}": (
-            jonebit.onebit_lamb(lamb_lr, freeze_step="auto", auto_freeze=auto._replace(threshold=th)), False, False)
+            jonebit.onebit_lamb(lamb_lr, freeze_step=auto._replace(threshold=th)), False, False)
         for th in args.auto_thresholds
     }
     val_loss = jax.jit(loss)

@@ -20,10 +20,11 @@ from jax.sharding import PartitionSpec as P
 import jonebit
 from jonebit.comm.accounting import comm_report
 from jonebit.train.data_parallel import data_mesh
+from jonebit.transforms.base import phase_names
 
 
-def phase_bytes(tx, shapes, mesh, per_rank_params: bool) -> tuple[dict, dict]:
-    """(bytes by op of lax.cond's false branch, of its true branch) for one compiled step."""
+def phase_bytes(tx, shapes, mesh, per_rank_params: bool) -> dict[str, dict]:
+    """Bytes by op of each phase the optimizer's state names (its compiled step's branches), for one step."""
     import jax
     import optax
 
@@ -42,13 +43,13 @@ def phase_bytes(tx, shapes, mesh, per_rank_params: bool) -> tuple[dict, dict]:
         return (jax.tree.map(lambda x: x[None], p) if per_rank_params else p), s
 
     r = comm_report(step.lower(params, state, grads).compile().as_text(), mesh.size)
-    out = []
-    for branch in r.branches[0]:
+    out = {}
+    for name, branch in zip(phase_names(state), r.branches[0], strict=True):
         ops: dict = {}
         for c in branch:
             ops[c.op] = ops.get(c.op, 0.0) + c.total_bytes_sent
-        out.append(ops)
-    return out[0], out[1]
+        out[name] = ops
+    return out
 
 
 def zero_one_counts(steps: int, var_freeze_step: int, kappa: int = 16, scaler: int = 32678, clipper: int = 16):
@@ -83,8 +84,10 @@ def main():
     mesh = data_mesh(args.devices)
     shapes = bert_base_shapes()
     n = count(shapes)
-    zo_local, zo_first = phase_bytes(jonebit.zero_one_adam(1e-3), shapes, mesh, True)
-    lamb_comp, lamb_warm = phase_bytes(jonebit.onebit_lamb(1e-3, freeze_step=100), shapes, mesh, False)
+    zo = phase_bytes(jonebit.zero_one_adam(1e-3), shapes, mesh, True)
+    zo_first, zo_local = zo["variance_freezing"], zo["local_steps"]
+    lamb = phase_bytes(jonebit.onebit_lamb(1e-3, freeze_step=100), shapes, mesh, False)
+    lamb_warm, lamb_comp = lamb["warmup"], lamb["compression"]
     fp32 = zo_first.pop("all-reduce")
     onebit = sum(zo_first.values())
     per_step = [

@@ -95,16 +95,18 @@ def main():
             if opt == "adamw":
                 tx = optax.adamw(1e-4, weight_decay=0.01)
             else:
-                tx = jonebit.onebit_adam(1e-4, freeze_step=100, weight_decay=0.01, fused=False, zero_stage=stage)
+                kw = dict(freeze_step=100, weight_decay=0.01, fused=False)
+                tx = jonebit.onebit_adam_zero(1e-4, stage=stage, **kw) if stage else jonebit.onebit_adam(1e-4, **kw)
             r = run(tx, shapes, mesh, stage)
             rep = r["report"]
             if opt == "adamw":
                 warm = first = comp = rep.always_bytes
-            elif stage == 0:  # lax.cond: [compression, warmup]
-                comp, warm = rep.branch_bytes(0), rep.branch_bytes(1)
-                first = comp
-            else:  # lax.switch: [warmup, first compression step, compression]
-                warm, first, comp = (rep.branch_bytes(i) for i in range(3))
+            elif stage == 0:
+                sent = rep.phase_bytes(jonebit.OneBitAdamState.PHASES)
+                warm, first, comp = sent["warmup"], sent["compression"], sent["compression"]
+            else:
+                sent = rep.phase_bytes(jonebit.OneBitAdamZeroState.PHASES)
+                warm, first, comp = sent["warmup"], sent["first_compression"], sent["compression"]
             total = r["params"] + r["grads"] + r["state"]
             row = dict(
                 optimizer="AdamW" if opt == "adamw" else "1-bit Adam", stage=stage,

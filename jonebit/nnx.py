@@ -26,20 +26,9 @@ from flax.nnx.training.optimizer import to_opt_state
 from jonebit.train.data_parallel import shard_batch
 from jonebit.train.engine import RankParams, init_train_state, model_params
 from jonebit.train.engine import make_train_step as make_engine_step
-from jonebit.transforms.onebit_adam import OneBitAdamState
-from jonebit.transforms.onebit_adam_zero import OneBitAdamZeroState
-from jonebit.transforms.onebit_lamb import OneBitLambState
-from jonebit.transforms.zero_one_adam import ZeroOneAdamState
-
-# Optimizers that take each rank's local gradient and communicate themselves (the others get the mean).
-_COMMUNICATING = (OneBitAdamState, OneBitAdamZeroState, OneBitLambState, ZeroOneAdamState)
+from jonebit.transforms.base import takes_local_gradients
 
 __all__ = ["make_train_step"]
-
-
-def _communicates(opt_state) -> bool:
-    is_ours = lambda n: isinstance(n, _COMMUNICATING)  # noqa: E731
-    return any(is_ours(n) for n in jax.tree.leaves(opt_state, is_leaf=is_ours))
 
 
 def _is_key(x) -> bool:
@@ -89,7 +78,7 @@ def make_train_step(
     params = nnx.as_pure(params)  # arrays, without the Variable boxes: what the engine's trees hold
     tx = optimizer.tx
     state, specs = init_train_state(tx, params, mesh, axis=axis)
-    onebit = _communicates(state.opt_state)
+    onebit = takes_local_gradients(state.opt_state)
     per_rank = isinstance(state.params, RankParams)
     has_keys = any(_is_key(x) for x in jax.tree.leaves(keys))
 

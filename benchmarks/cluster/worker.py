@@ -37,18 +37,26 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 from benchmarks.cluster.model import host_link_bytes, mpi_as_collectives, stage_collectives  # noqa: E402
-from jonebit import onebit_adam, onebit_lamb, zero_one_adam  # noqa: E402
+from jonebit import (  # noqa: E402
+    OneBitAdamState,
+    OneBitLambState,
+    ZeroOneAdamState,
+    onebit_adam,
+    onebit_lamb,
+    zero_one_adam,
+)
 from jonebit.comm import MPIBackend  # noqa: E402
 from jonebit.comm.accounting import comm_report  # noqa: E402
 from jonebit.sharding.mesh import initialize_distributed  # noqa: E402
 from jonebit.train.data_parallel import init_optimizer, make_step, replicate  # noqa: E402
 
-# lax.cond(count < freeze_step, warmup, compression) lowers to the branches [compression, warmup].
-_ONEBIT_BRANCH = {"warmup": 1, "compression": 0}
-# 0/1 Adam: lax.cond(count < var_freeze_step, freezing, local) -> [local, freezing]; inside freezing
-# lax.cond(variance step?, variance, 1-bit) -> [1-bit, variance]; inside local lax.cond(sync?, sync, local) ->
-# [local, sync].
-_ZERO_ONE_BRANCH = {"variance": (1, 1), "onebit": (1, 0), "local": (0, 0), "sync": (0, 1)}
+# The compiled step's branches are the phases the optimizer's state names, in that order (1-bit LAMB's are the same).
+_ONEBIT_BRANCH = {name: OneBitAdamState.PHASES.index(name) for name in ("warmup", "compression")}
+assert all(OneBitLambState.PHASES.index(name) == i for name, i in _ONEBIT_BRANCH.items())
+# 0/1 Adam: its phases (variance_freezing, local_steps); inside the first lax.cond(variance step?, variance, 1-bit)
+# -> [1-bit, variance], inside the second lax.cond(sync?, sync, local) -> [local, sync].
+_FREEZING, _LOCAL = (ZeroOneAdamState.PHASES.index(p) for p in ("variance_freezing", "local_steps"))
+_ZERO_ONE_BRANCH = {"variance": (_FREEZING, 1), "onebit": (_FREEZING, 0), "local": (_LOCAL, 0), "sync": (_LOCAL, 1)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,13 +17,13 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jonebit.sharding.mesh import check_batch, data_mesh, hierarchical_mesh
 from jonebit.sharding.zero import place_copy
+from jonebit.train.step import REDUCTIONS, apply_optimizer, local_gradients, local_view, per_device, reduce
 from jonebit.transforms.onebit_adam import sharded_init
 
 __all__ = ["data_mesh", "hierarchical_mesh", "init_optimizer", "make_step", "make_update", "replicate",
@@ -31,7 +31,7 @@ __all__ = ["data_mesh", "hierarchical_mesh", "init_optimizer", "make_step", "mak
 
 Axis = str | tuple[str, ...]
 
-_REDUCE = (None, "mean", "mean_bf16")
+_REDUCE = REDUCTIONS
 
 
 def replicate(tree, mesh: jax.sharding.Mesh):
@@ -136,16 +136,12 @@ def make_step(
     spec = _spec(axis)
 
     def body(params, opt_state, batch):
-        local = lax.pcast(params, axis, to="varying")
-        loss, grads = jax.value_and_grad(loss_fn)(local, batch)
-        if grad_reduce == "mean":
-            grads = lax.pmean(grads, axis)
-        elif grad_reduce == "mean_bf16":
-            grads = jax.tree.map(lambda g: lax.pmean(g.astype(jnp.bfloat16), axis).astype(g.dtype), grads)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, axis)
+        local, tx_params, rewrap = local_view(params, axis)
+        grads, losses, _ = local_gradients(loss_fn, local, batch, axis=axis)
+        new, opt_state = apply_optimizer(tx, reduce(grads, grad_reduce, axis), opt_state, tx_params)
+        return rewrap(new), opt_state, lax.pmean(losses[0], axis)
 
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), opt_specs, spec), out_specs=(P(), opt_specs, P()))
+    mapped = per_device(body, mesh, in_specs=(P(), opt_specs, spec), out_specs=(P(), opt_specs, P()))
 
     def step(params, opt_state, batch):
         check_batch(batch, mesh, spec, where="make_step's step")  # shapes are static: checked while tracing
@@ -168,15 +164,10 @@ def make_update(tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, opt_s
     spec = _spec(axis)
 
     def body(params, opt_state, grads):
-        grads = jax.tree.map(lambda g: g[0], grads)
-        if grad_reduce == "mean":
-            grads = lax.pmean(grads, axis)
-        elif grad_reduce == "mean_bf16":
-            grads = jax.tree.map(lambda g: lax.pmean(g.astype(jnp.bfloat16), axis).astype(g.dtype), grads)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        grads = reduce(jax.tree.map(lambda g: g[0], grads), grad_reduce, axis)
+        return apply_optimizer(tx, grads, opt_state, params)
 
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), opt_specs, spec), out_specs=(P(), opt_specs))
+    mapped = per_device(body, mesh, in_specs=(P(), opt_specs, spec), out_specs=(P(), opt_specs))
 
     def update(params, opt_state, local_grads):
         _check_grads(local_grads, params, size)

@@ -54,12 +54,22 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jonebit.comm.backends import as_varying
 from jonebit.sharding.zero import OFFLOAD_MEMORY_KIND, check_stage, leaf_spec, to_shardings, zero_specs
-from jonebit.train.onebit_zero import FlatParams, find_onebit_state, local_abstract_state, onebit_stage
+from jonebit.train.onebit_zero import FlatParams, find_onebit_state, onebit_stage
+from jonebit.train.step import (
+    RankParams,
+    apply_optimizer,
+    gather_shards,
+    keep_if,
+    local_gradients,
+    local_view,
+    per_device,
+    reduce,
+    reduce_scatter,
+)
 from jonebit.train.zero import init_zero
-from jonebit.transforms.onebit_adam import sharded_init
-from jonebit.transforms.zero_one_adam import ZeroOneAdamState
+from jonebit.transforms.base import moves_params_per_rank
+from jonebit.transforms.onebit_adam import local_abstract_state, sharded_init
 
 __all__ = [
     "LossScaleState",
@@ -174,37 +184,10 @@ class LossScaling:
         return jax.tree.map(lambda d, u: jnp.where(overflow, d, u), down, up)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class RankParams:
-    """Parameters kept one copy per data-parallel rank (0/1 Adam: its local steps move each rank's own).
-
-    ``copies`` is the parameter tree with a leading rank axis on every leaf (``(ranks, *shape)``), split over
-    the data axis, so each device holds its rank's copy. :meth:`tree` gives rank 0's copy.
-    """
-
-    copies: Any
-
-    def tree(self):
-        def first(c):
-            s = getattr(c, "sharding", None)
-            if isinstance(s, jax.NamedSharding):  # replicated where the copies lived (explicit axes: say so)
-                return c.at[0].get(out_sharding=jax.NamedSharding(s.mesh, P()))
-            return c[0]
-
-        return jax.tree.map(first, self.copies)
-
-
 def model_params(params):
     """The ordinary parameter tree of a :class:`TrainState`'s ``params``, whatever their layout: rank 0's copy
     of :class:`RankParams`, the gathered tree of :class:`~jonebit.train.onebit_zero.FlatParams`, else as is."""
     return params.tree() if isinstance(params, RankParams | FlatParams) else params
-
-
-def moves_params_per_rank(opt_state) -> bool:
-    """Whether the optimizer state belongs to an optimizer whose ranks move their own parameters (0/1 Adam)."""
-    is_zo = lambda n: isinstance(n, ZeroOneAdamState)  # noqa: E731
-    return any(is_zo(n) for n in jax.tree.leaves(opt_state, is_leaf=is_zo))
 
 
 class TrainState(NamedTuple):
@@ -482,44 +465,14 @@ def make_train_step(
     # The rank id of this device among all data-parallel ranks (MPI processes x local devices), for the rng.
     rank_offset = 0 if mpi is None else mpi.rank * ranks
 
-    def micro_step(params, scale, micro, rng):
-        def scaled(p):
-            cast = jax.tree.map(lambda x: x.astype(dtype), p)
-            out = loss_fn(cast, micro) if rng is None else loss_fn(cast, micro, rng)
-            loss, aux = out if has_aux else (out, None)
-            loss = jnp.asarray(loss, jnp.float32)
-            return (loss if unit_scale else loss * scale), (loss, aux)
-
-        (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
-        return loss, aux, jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-
     def local_grads(local, step_count, scale, batch):
         """This rank's gradient, summed in float32 over the micro-batches and divided by ``k x scale``."""
-        micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
-
-        if rng_seed is None:
-            rng = None
-        else:
+        rng = None
+        if rng_seed is not None:
             rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(int(rng_seed)), step_count),
                                      lax.axis_index(axis) + rank_offset)
-
-        def accumulate(g_sum, xs):
-            mb, i = xs
-            loss, aux, g = micro_step(local, scale, mb, None if rng is None else jax.random.fold_in(rng, i))
-            return jax.tree.map(jnp.add, g_sum, g), (loss, aux)
-
-        if k == 1:  # no loop to carry: one forward/backward, no zero-initialised accumulator
-            loss1, aux1, g_sum = micro_step(local, scale, jax.tree.map(lambda x: x[0], micro),
-                                            None if rng is None else jax.random.fold_in(rng, 0))
-            losses, auxes = loss1[None], jax.tree.map(lambda a: jnp.asarray(a)[None], aux1)
-        else:
-            zeros = lax.pcast(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), local), axis, to="varying")
-            # Per-micro-batch losses (and aux) come out stacked: k scalars, not k gradients.
-            g_sum, (losses, auxes) = lax.scan(accumulate, zeros, (micro, jnp.arange(k)))
-        if unit_scale and k == 1:  # nothing to undo: skip a pass over the gradients
-            return g_sum, losses, auxes
-        inv = 1.0 / (k * scale)
-        return jax.tree.map(lambda g: g * inv, g_sum), losses, auxes
+        return local_gradients(loss_fn, local, batch, axis=axis, accumulation_steps=k, compute_dtype=dtype,
+                               scale=None if unit_scale else scale, has_aux=has_aux, rng=rng)
 
     def loss_metrics(losses, auxes, scale, overflow, grad_norm):
         metrics = {
@@ -534,18 +487,13 @@ def make_train_step(
 
     def body(state: TrainState, batch):
         """Stage 0, and the 1-bit optimizers at every stage: the whole step in the per-device view."""
-        if flat:  # 1-bit ZeRO-3: gather the server chunks (in the compute dtype: the cast commutes with it)
-            chunks = tuple(lax.all_gather(c.astype(dtype), axis, tiled=True) for c in state.params.chunks)
-            local, tx_params = state.params.layout.from_chunks(chunks), state.params.chunks
-        elif per_rank:  # this rank's own copy (already varying over the data axis)
-            local = tx_params = jax.tree.map(lambda x: x[0], state.params.copies)
-        else:
-            local, tx_params = lax.pcast(state.params, axis, to="varying"), state.params
+        # 1-bit ZeRO-3's chunks are gathered in the compute dtype (the cast commutes with the gather).
+        local, tx_params, rewrap = local_view(state.params, axis, dtype)
         scale = state.loss_scale.scale
         grads, losses, auxes = local_grads(local, state.step, scale, batch)
 
         if grad_reduce == "mean":
-            grads = lax.pmean(grads, axis)
+            grads = reduce(grads, grad_reduce, axis)
             norm_sq = _global_norm_sq(grads)
         else:
             norm_sq = lax.pmean(_global_norm_sq(grads), axis)
@@ -554,18 +502,9 @@ def make_train_step(
         grad_norm = jnp.sqrt(norm_sq)
         overflow = _overflow(norm_sq)
 
-        def apply(_):
-            updates, opt_state = tx.update(grads, state.opt_state, tx_params)
-            new = optax.apply_updates(tx_params, updates)
-            if per_rank:
-                return RankParams(jax.tree.map(lambda x: x[None], new)), opt_state
-            return (FlatParams(chunks=tuple(new), layout=state.params.layout) if flat else new), opt_state
-
-        # A skipped step keeps every leaf: a select rather than a conditional, so that it fuses into the
-        # update's elementwise loops (a conditional materialises its result and copies the donated buffers).
-        new_params, new_opt = apply(None)
-        params = jax.tree.map(lambda old, upd: jnp.where(overflow, old, upd), state.params, new_params)
-        opt_state = jax.tree.map(lambda old, upd: jnp.where(overflow, old, upd), state.opt_state, new_opt)
+        new, new_opt = apply_optimizer(tx, grads, state.opt_state, tx_params)
+        params = keep_if(overflow, state.params, rewrap(new))
+        opt_state = keep_if(overflow, state.opt_state, new_opt)
         new = TrainState(
             step=state.step + 1,
             params=params,
@@ -592,14 +531,13 @@ def make_train_step(
     if stage == 0:
         # Under MPI the mesh is one device and the transform's collectives are mpi4jax's, outside jax's
         # varying-axis types (with one rank its mean is the identity, which leaves the update "varying").
-        mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()),
-                               check_vma=mpi is None)
+        mapped = per_device(body, mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()), check_vma=mpi is None)
         jitted = jax.jit(mapped, donate_argnums=donated)
         # The same step with the optimizer state passed apart and not donated (see ``compiled``).
         keep_state = jax.jit(lambda rest, opt_state, batch: mapped(rest._replace(opt_state=opt_state), batch),
                              donate_argnums=(0,)) if donate else None
     elif onebit is not None:
-        mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()))
+        mapped = per_device(body, mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()))
 
         def onebit_zero_step(state: TrainState, batch):
             if offload_optimizer:
@@ -692,14 +630,12 @@ def make_train_step(
         from jonebit.comm.accounting import comm_report
 
         def body(params, opt_state, grads):
-            grads = jax.tree.map(lambda g: g[0], grads)
-            tx_params = params.chunks if flat else params
-            updates, opt_state = tx.update(grads, opt_state, tx_params)
-            return optax.apply_updates(tx_params, updates), opt_state
+            return apply_optimizer(tx, jax.tree.map(lambda g: g[0], grads), opt_state,
+                                   params.chunks if flat else params)
 
         out_params = specs.params.chunks if flat else specs.params
-        mapped = jax.shard_map(body, mesh=mesh, in_specs=(specs.params, specs.opt_state, P(axis)),
-                               out_specs=(out_params, specs.opt_state))
+        mapped = per_device(body, mesh, in_specs=(specs.params, specs.opt_state, P(axis)),
+                            out_specs=(out_params, specs.opt_state))
         if flat:
             layout = state.params.layout
             whole = layout.treedef.unflatten([jax.ShapeDtypeStruct(s, jnp.float32) for s in layout.shapes])
@@ -746,18 +682,9 @@ def _zero_step(local_grads, loss_metrics, tx, mesh, specs: TrainState, scaling: 
         def grads_body(params, step_count, scale, batch):
             # Stage 3: gather each shard once per optimizer step, in the compute dtype (the cast commutes with
             # the gather); all-gather results already vary over the axis, so autodiff adds no collective.
-            local = jax.tree.map(
-                lambda p, s: p if _axis_dim(s, axis) is None else lax.all_gather(
-                    p.astype(dtype), axis, axis=_axis_dim(s, axis), tiled=True), params, param_specs)
-            local = jax.tree.map(lambda p: as_varying(p, axis), local)
+            local = gather_shards(params, param_specs, axis, dtype)
             grads, losses, auxes = local_grads(local, step_count, scale, batch)
-
-            def reduce(g, gspec):
-                d = _axis_dim(gspec, axis)
-                return lax.pmean(g, axis) if d is None else lax.psum_scatter(
-                    g, axis, scatter_dimension=d, tiled=True) / size
-
-            grads = jax.tree.map(reduce, grads, grad_specs)
+            grads = reduce_scatter(grads, grad_specs, axis, size)
             # Squared norm of the mean gradient: shards summed over ranks, replicated leaves counted once.
             sharded = [g for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(grad_specs, is_leaf=_is_p),
                                          strict=True) if _axis_dim(s, axis) is not None]
@@ -766,20 +693,17 @@ def _zero_step(local_grads, loss_metrics, tx, mesh, specs: TrainState, scaling: 
             norm_sq = _global_norm_sq(whole) + (lax.psum(_global_norm_sq(sharded), axis) if sharded else 0.0)
             return grads, loss_metrics(losses, auxes, scale, _overflow(norm_sq), jnp.sqrt(norm_sq))
 
-        grads, metrics = jax.shard_map(
-            grads_body, mesh=mesh, in_specs=(param_specs, P(), P(), P(axis)), out_specs=(grad_specs, P()),
+        grads, metrics = per_device(
+            grads_body, mesh, in_specs=(param_specs, P(), P(), P(axis)), out_specs=(grad_specs, P()),
         )(state.params, state.step, state.loss_scale.scale, batch)
         overflow = metrics["skipped"]
 
         opt_state = jax.device_put(state.opt_state, state_dev) if offload else state.opt_state
-        updates, new_opt = tx.update(grads, opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
+        new_params, new_opt = apply_optimizer(tx, grads, opt_state, state.params)
         # A skipped step keeps every leaf bit-identical (a select, not a conditional: the parameter all-gather of
         # stages 1-2 then runs unconditionally and the compiled program's accounting sees it every step).
-        keep = lambda old, new: jnp.where(overflow, old, new)  # noqa: E731
-        params = jax.tree.map(keep, state.params,
-                              jax.tree.map(jax.sharding.reshard, new_params, state_shardings.params))
-        opt_state = jax.tree.map(keep, opt_state, jax.tree.map(jax.sharding.reshard, new_opt, state_dev))
+        params = keep_if(overflow, state.params, jax.tree.map(jax.sharding.reshard, new_params, state_shardings.params))
+        opt_state = keep_if(overflow, opt_state, jax.tree.map(jax.sharding.reshard, new_opt, state_dev))
         new = TrainState(
             step=state.step + 1,
             params=params,

@@ -37,7 +37,6 @@ import jax.numpy as jnp
 import optax
 
 from jonebit.sharding.mesh import data_mesh
-from jonebit.sharding.zero import per_rank_rule
 from jonebit.train.config import (
     ONEBIT_OPTIMIZERS,
     BatchSizes,
@@ -49,14 +48,9 @@ from jonebit.train.config import (
 )
 from jonebit.train.engine import LossScaling, TrainState, init_train_state, make_train_step, model_params
 from jonebit.train.loop import ArrayBatches, LoopConfig, ResumableIterator, train
-from jonebit.transforms.onebit_adam import is_onebit_state
+from jonebit.transforms.base import takes_local_gradients
 
 __all__ = ["Engine", "initialize", "loss_scaling_from_config"]
-
-
-def _is_local_gradient_state(node) -> bool:
-    """A state whose transform takes each rank's local gradient and communicates itself (the 1-bit family)."""
-    return is_onebit_state(node) or per_rank_rule(node) is not None
 
 
 def loss_scaling_from_config(config: DeepSpeedConfig) -> LossScaling | None:
@@ -220,8 +214,7 @@ def initialize(
             raise ConfigError("zero_optimization.stage", str(e)) from e
         raise
     # A 1-bit optimizer (from the config or given) does its own communication on local gradients.
-    onebit = any(_is_local_gradient_state(n)
-                 for n in jax.tree.leaves(state.opt_state, is_leaf=_is_local_gradient_state))
+    onebit = takes_local_gradients(state.opt_state)
     freeze_step = None
     if onebit and opt is not None and opt.type in ONEBIT_OPTIMIZERS and "freeze_step" in opt.params:
         f = opt.params["freeze_step"]

@@ -1,9 +1,9 @@
-"""Training steps for the 1-bit optimizers under ZeRO stages 1-3 (see :mod:`jonebit.transforms.onebit_adam_zero`).
+"""Placement of the 1-bit optimizers' state and parameters under ZeRO stages 1-3 (see
+:mod:`jonebit.transforms.onebit_adam_zero`).
 
-The 1-bit optimizers own their communication and need each rank's local gradient, so the whole step runs in the
-per-device view inside ``jax.shard_map``: forward and backward on the local batch shard, then ``tx.update`` on the
-local gradients. At stage 3 the parameters live as :class:`FlatParams`, the server chunks of the flattened tree
-(rank ``r`` holds chunk ``r`` of every buffer), and are all-gathered for the forward pass.
+The 1-bit optimizers own their communication and need each rank's local gradient, so their whole step runs in the
+per-device view (:mod:`jonebit.train.step`). At stage 3 the parameters live as :class:`FlatParams`, the server
+chunks of the flattened tree (rank ``r`` holds chunk ``r`` of every buffer), all-gathered for the forward pass.
 
 Normally reached through :func:`jonebit.train.zero.init_zero` and :func:`jonebit.train.zero.make_zero_step`.
 """
@@ -11,16 +11,18 @@ Normally reached through :func:`jonebit.train.zero.init_zero` and :func:`jonebit
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
 
 import jax
-import optax
-from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jonebit.sharding.zero import OFFLOAD_MEMORY_KIND, ZeroShardings, _check_offload, place_copy, to_shardings
-from jonebit.transforms.onebit_adam import OneBitAdamState, is_onebit_state, state_specs
+from jonebit.transforms.onebit_adam import (
+    OneBitAdamState,
+    is_onebit_state,
+    local_abstract_state,
+    per_device_init,
+    state_specs,
+)
 from jonebit.transforms.onebit_adam_zero import FlatLayout, OneBitAdamZeroState
 
 P = PartitionSpec
@@ -57,13 +59,6 @@ def find_onebit_state(local_state):
 def uses_onebit(shardings: ZeroShardings) -> bool:
     """Whether the optimizer state planned in ``shardings`` belongs to a 1-bit optimizer."""
     return find_onebit_state(shardings.opt_state) is not None
-
-
-def local_abstract_state(tx_or_init, params, mesh):
-    """``tx.init`` traced in the per-device view (shapes only); takes a transform or its init function."""
-    init = getattr(tx_or_init, "init", tx_or_init)
-    init = jax.shard_map(init, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
-    return jax.eval_shape(init, params)
 
 
 def onebit_stage(state) -> int:
@@ -119,74 +114,17 @@ def init_onebit_zero(tx, params, mesh, *, stage: int, axis: str = "data", offloa
     sh, specs, layout = plan_onebit_zero(tx, params, mesh, stage=stage, axis=axis,
                                          offload_optimizer=offload_optimizer)
     params = place_copy(params, sh.grads)  # replicated, in new buffers
-    init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
-    opt_state = jax.jit(init, out_shardings=sh.opt_state)(params)
+    opt_state = jax.jit(per_device_init(tx, mesh, specs), out_shardings=sh.opt_state)(params)
     if layout is not None:
         chunks = jax.jit(layout.to_chunks, out_shardings=sh.params.chunks)(params)
         params = FlatParams(chunks=chunks, layout=layout)
     return params, opt_state, sh
 
 
-def make_onebit_zero_step(
-    loss_fn: Callable[[Any, Any], Any],
-    tx: optax.GradientTransformation,
-    mesh,
-    shardings: ZeroShardings,
-    *,
-    batch_spec: PartitionSpec | None = None,
-    donate: bool = True,
-):
-    """``step(params, opt_state, batch) -> (params, opt_state, loss)`` for a 1-bit optimizer under ZeRO.
-
-    ``loss_fn(params, local_batch)`` gets the ordinary parameter tree (gathered at stage 3) and one device's batch
-    shard; its gradient goes to ``tx`` without any reduction (the optimizer communicates).
-    """
-    axis = shardings.axis
-    spec_of = lambda s: s.spec  # noqa: E731
-    param_specs = jax.tree.map(spec_of, shardings.params)
-    state_specs_ = jax.tree.map(spec_of, shardings.opt_state)
-    batch_spec = P(axis) if batch_spec is None else batch_spec
-    stage3 = isinstance(shardings.params, FlatParams)
-
-    def body(params, opt_state, batch):
-        if stage3:
-            layout = params.layout
-            gathered = tuple(lax.all_gather(c, axis, tiled=True) for c in params.chunks)
-            local = layout.from_chunks(gathered)
-            tx_params = params.chunks
-        else:
-            local = lax.pcast(params, axis, to="varying")
-            tx_params = params
-        loss, grads = jax.value_and_grad(loss_fn)(local, batch)
-        updates, opt_state = tx.update(grads, opt_state, tx_params)
-        new = optax.apply_updates(tx_params, updates)
-        if stage3:
-            new = FlatParams(chunks=tuple(new), layout=params.layout)
-        return new, opt_state, lax.pmean(loss, axis)
-
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=(param_specs, state_specs_, batch_spec),
-                           out_specs=(param_specs, state_specs_, P()))
-    state_dev = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings.opt_state)
-    batch_sharding = NamedSharding(mesh, batch_spec)
-
-    def step(params, opt_state, batch):
-        batch = jax.tree.map(lambda b: jax.sharding.reshard(b, batch_sharding), batch)
-        if shardings.offload_optimizer:
-            opt_state = jax.device_put(opt_state, state_dev)
-        return mapped(params, opt_state, batch)
-
-    return jax.jit(
-        step,
-        in_shardings=(shardings.params, shardings.opt_state, batch_sharding),
-        out_shardings=(shardings.params, shardings.opt_state, NamedSharding(mesh, P())),
-        donate_argnums=(0, 1) if donate else (),
-    )
-
-
 def abstract_onebit_zero(tx, params, mesh, *, stage: int, axis: str = "data"):
     """``(params, opt_state, shardings)`` as ``jax.ShapeDtypeStruct`` trees, without allocating (memory planning)."""
     sh, specs, layout = plan_onebit_zero(tx, params, mesh, stage=stage, axis=axis)
-    glob = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs), params)
+    glob = jax.eval_shape(per_device_init(tx, mesh, specs), params)
     sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
     opt_state = jax.tree.map(sds, glob, sh.opt_state)
     if layout is not None:

@@ -24,8 +24,9 @@ Mixed precision (``master_dtype``): parameters for compute are kept in their low
 optimizer keeps a float32 master copy in its state (so ZeRO partitions it with the moments, as in the ZeRO
 paper's 2 + 2 + 12 bytes per parameter), and gradients are reduced in the parameters' dtype.
 
-The 1-bit optimizers need each rank's local gradient and their own layouts; :mod:`jonebit.train.onebit_zero`
-provides their step, and :func:`make_zero_step` dispatches to it.
+The 1-bit optimizers need each rank's local gradient and their own layouts (:mod:`jonebit.train.onebit_zero`):
+their whole step runs in the per-device view, and :func:`make_zero_step` builds it from the same pipeline
+(:mod:`jonebit.train.step`).
 """
 
 from __future__ import annotations
@@ -53,10 +54,10 @@ from jonebit.train.onebit_zero import (
     abstract_onebit_zero,
     find_onebit_state,
     init_onebit_zero,
-    local_abstract_state,
-    make_onebit_zero_step,
     uses_onebit,
 )
+from jonebit.train.step import apply_optimizer, gather_shards, local_gradients, local_view, per_device, reduce_scatter
+from jonebit.transforms.onebit_adam import local_abstract_state
 
 P = PartitionSpec
 
@@ -70,13 +71,6 @@ class MasterWeightsState(NamedTuple):
 
 def _spec(s) -> PartitionSpec:
     return s.spec if isinstance(s, NamedSharding) else s
-
-
-def _axis_dim(spec: PartitionSpec, axis: str) -> int | None:
-    for d, entry in enumerate(spec):
-        if entry == axis or (isinstance(entry, tuple) and axis in entry):
-            return d
-    return None
 
 
 def _device_shardings(shardings):
@@ -132,28 +126,6 @@ def _master_init(tx, master_dtype):
     return init
 
 
-def _reduce_grads(grads, grad_specs, param_specs, axis: str, size: int):
-    """Local gradients -> mean over ranks, laid out by ``grad_specs`` (reduce-scatter where sharded)."""
-
-    def one(g, gspec, pspec):
-        if _axis_dim(pspec, axis) is not None:  # stage 3: autodiff of the all-gather already reduce-scattered
-            return g / size
-        d = _axis_dim(gspec, axis)
-        if d is None:
-            return lax.pmean(g, axis)
-        return lax.psum_scatter(g, axis, scatter_dimension=d, tiled=True) / size
-
-    return jax.tree.map(one, grads, grad_specs, param_specs)
-
-
-def _gather_params(params, param_specs, axis: str):
-    def one(p, spec):
-        d = _axis_dim(spec, axis)
-        return p if d is None else lax.all_gather(p, axis, axis=d, tiled=True)
-
-    return jax.tree.map(one, params, param_specs)
-
-
 def make_zero_grads(
     loss_fn: Callable[[Any, Any], jax.Array],
     mesh: jax.sharding.Mesh,
@@ -178,18 +150,15 @@ def _grads_fn(loss_fn, mesh, axis: str, param_specs, grad_specs, batch_spec, red
     batch_spec = P(axis) if batch_spec is None else batch_spec
 
     def body(params, batch):
-        # Replicated leaves become "varying" outside the differentiated function, so autodiff does not insert
-        # a full-precision psum; sharded leaves (stage 3) are gathered inside it, so their gradient comes back
-        # reduce-scattered.
-        local = jax.tree.map(lambda p, s: p if _axis_dim(s, axis) is not None else lax.pcast(p, axis, to="varying"),
-                             params, param_specs)
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(_gather_params(p, param_specs, axis), batch))(local)
+        # Stage 3: the shards are gathered once; each device's gradient of the gathered tree is then
+        # reduce-scattered back into the shards, so no device holds the summed full gradient.
+        local = gather_shards(params, param_specs, axis)
+        grads, losses, _ = local_gradients(loss_fn, local, batch, axis=axis)
         if reduce_dtype is not None:
             grads = jax.tree.map(lambda g: g.astype(reduce_dtype), grads)
-        grads = _reduce_grads(grads, grad_specs, param_specs, axis, size)
-        return grads, lax.pmean(loss, axis)
+        return reduce_scatter(grads, grad_specs, axis, size), lax.pmean(losses[0], axis)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(param_specs, batch_spec), out_specs=(grad_specs, P()))
+    return per_device(body, mesh, in_specs=(param_specs, batch_spec), out_specs=(grad_specs, P()))
 
 
 def _update_grad_specs(params, shardings: ZeroShardings, mesh):
@@ -235,7 +204,7 @@ def make_zero_step(
     if uses_onebit(shardings):
         if reduce_dtype is not None:
             raise ValueError("make_zero_step: the 1-bit optimizers do their own communication; drop reduce_dtype")
-        step = make_onebit_zero_step(loss_fn, tx, mesh, shardings, batch_spec=batch_spec, donate=donate)
+        step = _make_onebit_step(loss_fn, tx, mesh, shardings, batch_spec, donate)
     else:
         step = _make_step(loss_fn, tx, mesh, shardings, batch_spec, reduce_dtype, donate)
     return CheckedStep(step, lambda batch: check_batch(batch, mesh, batch_spec, where="make_zero_step's step"))
@@ -285,11 +254,42 @@ def _make_step(loss_fn, tx, mesh, shardings: ZeroShardings, batch_spec, reduce_d
             new_params = jax.tree.map(lambda m, p: m.astype(p.dtype), master, params)
             opt_state = MasterWeightsState(master=master, inner=inner)
         else:
-            updates, opt_state = tx.update(grads, opt_state, params)
-            new_params = optax.apply_updates(params, updates)
+            new_params, opt_state = apply_optimizer(tx, grads, opt_state, params)
         new_params = jax.tree.map(jax.sharding.reshard, new_params, shardings.params)
         opt_state = jax.tree.map(jax.sharding.reshard, opt_state, state_dev)
         return new_params, opt_state, loss
+
+    return jax.jit(
+        step,
+        in_shardings=(shardings.params, shardings.opt_state, batch_sharding),
+        out_shardings=(shardings.params, shardings.opt_state, NamedSharding(mesh, P())),
+        donate_argnums=(0, 1) if donate else (),
+    )
+
+
+def _make_onebit_step(loss_fn, tx, mesh, shardings: ZeroShardings, batch_spec, donate: bool):
+    """A 1-bit optimizer under ZeRO: the whole step in the per-device view, local gradients to ``tx``."""
+    axis = shardings.axis
+    spec_of = lambda s: s.spec  # noqa: E731
+    param_specs = jax.tree.map(spec_of, shardings.params)
+    opt_specs = jax.tree.map(spec_of, shardings.opt_state)
+
+    def body(params, opt_state, batch):
+        local, tx_params, rewrap = local_view(params, axis)
+        grads, losses, _ = local_gradients(loss_fn, local, batch, axis=axis)
+        new, opt_state = apply_optimizer(tx, grads, opt_state, tx_params)
+        return rewrap(new), opt_state, lax.pmean(losses[0], axis)
+
+    mapped = per_device(body, mesh, in_specs=(param_specs, opt_specs, batch_spec),
+                        out_specs=(param_specs, opt_specs, P()))
+    state_dev = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings.opt_state)
+    batch_sharding = NamedSharding(mesh, batch_spec)
+
+    def step(params, opt_state, batch):
+        batch = jax.tree.map(lambda b: jax.sharding.reshard(b, batch_sharding), batch)
+        if shardings.offload_optimizer:
+            opt_state = jax.device_put(opt_state, state_dev)
+        return mapped(params, opt_state, batch)
 
     return jax.jit(
         step,

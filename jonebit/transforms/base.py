@@ -496,6 +496,18 @@ def _phased_states(opt_state) -> list:
     return [n for n in jax.tree.leaves(opt_state, is_leaf=named) if named(n)]
 
 
+def takes_local_gradients(opt_state) -> bool:
+    """Whether the optimizer whose state this is takes each rank's local gradient and communicates itself (every
+    optimizer of the 1-bit family does; the step builders then reduce nothing)."""
+    return bool(_phased_states(opt_state))
+
+
+def moves_params_per_rank(opt_state) -> bool:
+    """Whether the optimizer moves each rank's parameters on their own (0/1 Adam's local steps), so that the step
+    must carry one copy per rank (its state class says so with ``PARAMS_PER_RANK = True``)."""
+    return any(getattr(type(n), "PARAMS_PER_RANK", False) for n in _phased_states(opt_state))
+
+
 def phase_names(opt_state) -> tuple[str, ...] | None:
     """The names of the phases an update of this optimizer state can run, in the order of its compiled branches;
     ``None`` for an optimizer without phases (optax's own)."""

@@ -585,6 +585,18 @@ def state_specs(opt_state, axis_name: str | tuple[str, str] = "data"):
     return jax.tree.map(spec, opt_state, is_leaf=is_leaf)
 
 
+def local_abstract_state(tx_or_init, params, mesh: jax.sharding.Mesh):
+    """``tx.init`` traced in the per-device view (shapes only); takes a transform or its init function."""
+    init = getattr(tx_or_init, "init", tx_or_init)
+    return jax.eval_shape(jax.shard_map(init, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False), params)
+
+
+def per_device_init(tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, specs):
+    """``tx.init`` run in the per-device view on replicated params, its state returned as global arrays laid out by
+    ``specs`` (from :func:`state_specs`)."""
+    return jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
+
+
 def sharded_init(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh,
                  axis_name: str | tuple[str, str] = "data"):
     """Runs ``tx.init`` in the per-device view and returns the state as global arrays.
@@ -596,10 +608,8 @@ def sharded_init(tx: optax.GradientTransformation, params, mesh: jax.sharding.Me
     """
     replicated = jax.NamedSharding(mesh, P())
     params = jax.device_put(params, replicated)
-    local = jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False), params)
-    specs = state_specs(local, axis_name)
-    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
-    return init(params), specs
+    specs = state_specs(local_abstract_state(tx, params, mesh), axis_name)
+    return jax.jit(per_device_init(tx, mesh, specs))(params), specs
 
 
 # ZeRO planning (jonebit.sharding.zero_shardings) must not apply its per-leaf rule to these states: the plain

@@ -96,6 +96,7 @@ class ZeroOneAdamState(NamedTuple):
     phase: jax.Array
 
     PHASES = ("variance_freezing", "local_steps")
+    PARAMS_PER_RANK = True  # the local steps move each rank's own parameters
 
 
 def zero_one_adam(

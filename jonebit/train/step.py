@@ -1,0 +1,183 @@
+"""The training-step pipeline that every step builder of :mod:`jonebit.train` composes.
+
+One step, in the per-device view of a data-parallel mesh axis::
+
+    params --local_view--> this device's parameters (replicated: cast to varying; 0/1 Adam: its own copy;
+                           1-bit ZeRO-3: the gathered chunks; standard ZeRO-3: the gathered shards)
+           --local_gradients--> its gradient (micro-batches accumulated in float32, loss scale undone)
+           --reduce--> none (1-bit optimizers communicate themselves), the mean, or a reduce-scatter into the
+                       ZeRO layout
+           --apply_optimizer--> new parameters and optimizer state, in the layout they came in
+           --keep_if--> the old ones where the step is skipped (a non-finite gradient on some rank)
+
+:func:`jonebit.train.data_parallel.make_step`, :func:`jonebit.train.zero.make_zero_step` (standard optimizers and
+the 1-bit ZeRO variant) and the engine's :func:`jonebit.train.engine.make_train_step` are wrappers that choose the
+stages; :func:`per_device` is the one place the package maps a function over the devices of a mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jonebit.comm.backends import as_varying
+from jonebit.train.onebit_zero import FlatParams
+
+REDUCTIONS = (None, "mean", "mean_bf16")
+
+
+def per_device(body: Callable, mesh: jax.sharding.Mesh, in_specs, out_specs, *, check_vma: bool = True):
+    """``body`` run on every device of ``mesh`` in the per-device view (``jax.shard_map``)."""
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RankParams:
+    """Parameters kept one copy per data-parallel rank (0/1 Adam: its local steps move each rank's own).
+
+    ``copies`` is the parameter tree with a leading rank axis on every leaf (``(ranks, *shape)``), split over
+    the data axis, so each device holds its rank's copy. :meth:`tree` gives rank 0's copy.
+    """
+
+    copies: Any
+
+    def tree(self):
+        def first(c):
+            s = getattr(c, "sharding", None)
+            if isinstance(s, jax.NamedSharding):  # replicated where the copies lived (explicit axes: say so)
+                return c.at[0].get(out_sharding=jax.NamedSharding(s.mesh, P()))
+            return c[0]
+
+        return jax.tree.map(first, self.copies)
+
+
+def local_view(params, axis, compute_dtype=None):
+    """``(local, tx_params, rewrap)`` of this device's ``params`` (per-device view).
+
+    ``local``: what the loss differentiates (typed varying over ``axis``, so autodiff adds no collective);
+    ``tx_params``: what the optimizer's ``update`` takes; ``rewrap(new_tx_params)``: the updated parameters in the
+    layout ``params`` came in. 1-bit ZeRO-3 chunks are gathered here, in ``compute_dtype`` when given (the cast
+    commutes with the gather and halves its bytes in bf16).
+    """
+    if isinstance(params, FlatParams):
+        cast = (lambda c: c) if compute_dtype is None else (lambda c: c.astype(compute_dtype))
+        chunks = tuple(lax.all_gather(cast(c), axis, tiled=True) for c in params.chunks)
+        return (params.layout.from_chunks(chunks), params.chunks,
+                lambda new: FlatParams(chunks=tuple(new), layout=params.layout))
+    if isinstance(params, RankParams):  # this rank's own copy (already varying over the data axis)
+        own = jax.tree.map(lambda x: x[0], params.copies)
+        return own, own, lambda new: RankParams(jax.tree.map(lambda x: x[None], new))
+    return lax.pcast(params, axis, to="varying"), params, lambda new: new
+
+
+def local_gradients(loss_fn, local, batch, *, axis, accumulation_steps: int = 1, compute_dtype=None, scale=None,
+                    has_aux: bool = False, rng=None):
+    """This device's gradient of ``loss_fn`` at ``local``: ``(grads, losses, auxes)``.
+
+    ``batch`` is split into ``accumulation_steps`` micro-batches along its leading axis; their gradients are summed
+    (in float32 with a ``compute_dtype``) and divided by ``accumulation_steps x scale``. With ``compute_dtype`` the
+    parameters are cast to it for the loss and the loss and gradients come back in float32; without one nothing is
+    cast. ``scale`` multiplies the loss before differentiation (fp16 loss scaling; ``None``: none). ``rng``: a key
+    folded with the micro-batch index and passed as ``loss_fn``'s third argument. ``losses`` (and ``auxes``, with
+    ``has_aux``) are stacked over the micro-batches, unscaled.
+    """
+    k = int(accumulation_steps)
+
+    def micro_step(micro, key):
+        def scaled(p):
+            if compute_dtype is not None:
+                p = jax.tree.map(lambda x: x.astype(compute_dtype), p)
+            out = loss_fn(p, micro) if key is None else loss_fn(p, micro, key)
+            loss, aux = out if has_aux else (out, None)
+            if compute_dtype is not None:
+                loss = jnp.asarray(loss, jnp.float32)
+            return (loss if scale is None else loss * scale), (loss, aux)
+
+        (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(local)
+        if compute_dtype is not None:
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        return loss, aux, grads
+
+    def key_of(i):
+        return None if rng is None else jax.random.fold_in(rng, i)
+
+    if k == 1:  # no loop to carry: one forward/backward, no zero-initialised accumulator
+        loss, aux, g_sum = micro_step(batch, key_of(0))
+        losses, auxes = loss[None], jax.tree.map(lambda a: jnp.asarray(a)[None], aux)
+    else:
+        micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+
+        def accumulate(g_sum, xs):
+            mb, i = xs
+            loss, aux, g = micro_step(mb, key_of(i))
+            return jax.tree.map(jnp.add, g_sum, g), (loss, aux)
+
+        zeros = lax.pcast(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), local), axis, to="varying")
+        # Per-micro-batch losses (and aux) come out stacked: k scalars, not k gradients.
+        g_sum, (losses, auxes) = lax.scan(accumulate, zeros, (micro, jnp.arange(k)))
+    if scale is None and k == 1:  # nothing to undo: skip a pass over the gradients
+        return g_sum, losses, auxes
+    inv = 1.0 / (k * (1.0 if scale is None else scale))
+    return jax.tree.map(lambda g: g * inv, g_sum), losses, auxes
+
+
+def reduce(grads, how: str | None, axis):
+    """The gradient as the optimizer takes it: this device's own (``None``: a 1-bit optimizer communicates itself),
+    or the mean over ``axis`` in float32 (``"mean"``) or bfloat16 (``"mean_bf16"``, half the bytes)."""
+    if how is None:
+        return grads
+    if how == "mean":
+        return lax.pmean(grads, axis)
+    if how == "mean_bf16":
+        return jax.tree.map(lambda g: lax.pmean(g.astype(jnp.bfloat16), axis).astype(g.dtype), grads)
+    raise ValueError(f"grad_reduce must be one of {REDUCTIONS}, got {how!r}")
+
+
+def _axis_dim(spec, axis: str) -> int | None:
+    for i, entry in enumerate(tuple(spec)):
+        if entry == axis or (isinstance(entry, tuple) and axis in entry):
+            return i
+    return None
+
+
+def gather_shards(params, param_specs, axis: str, compute_dtype=None):
+    """Standard ZeRO-3: every parameter shard all-gathered over ``axis`` (in ``compute_dtype`` when given), each
+    leaf typed varying so that its gradient is this device's own."""
+    def one(p, spec):
+        d = _axis_dim(spec, axis)
+        if d is not None:
+            p = lax.all_gather(p if compute_dtype is None else p.astype(compute_dtype), axis, axis=d, tiled=True)
+        return as_varying(p, axis)
+
+    return jax.tree.map(one, params, param_specs)
+
+
+def reduce_scatter(grads, grad_specs, axis: str, size: int):
+    """The mean gradient over ``axis``, each leaf laid out by its spec: scattered where the spec splits ``axis``,
+    whole elsewhere."""
+    def one(g, spec):
+        d = _axis_dim(spec, axis)
+        return lax.pmean(g, axis) if d is None else lax.psum_scatter(g, axis, scatter_dimension=d, tiled=True) / size
+
+    return jax.tree.map(one, grads, grad_specs)
+
+
+def apply_optimizer(tx: optax.GradientTransformation, grads, opt_state, params):
+    """``(new_params, new_opt_state)`` after one update of ``tx``."""
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def keep_if(bad, old, new):
+    """``old`` where ``bad`` (a scalar, the same on every rank), else ``new``: a skipped step keeps every leaf bit
+    for bit. A select rather than a conditional, so that it fuses into the update's elementwise loops (a
+    conditional materialises its result and copies the donated buffers)."""
+    return jax.tree.map(lambda o, n: jnp.where(bad, o, n), old, new)
