@@ -13,17 +13,22 @@ logits, run_squad's post-processing gives the answers, and the official v1.1 met
 ``metrics.jsonl`` and ``hf/`` (``config.json``, ``model.safetensors``, ``vocab.txt``; loads in transformers'
 ``BertForQuestionAnswering``).
 
-Without ``--config`` the run uses a built-in config with BingBertSQuAD's hyper-parameters: batch 96 (``--batch-size``
-scales it), lr 3e-5 with a linear warmup over 10% of the steps and a linear decay to 0, gradient clipping 1.0, no
-weight decay; ``--optimizer onebit_adam`` (the default) freezes after 20% of the steps, with bias correction and one
-compression per tensor (the settings that converge). A config without a ``scheduler`` section gets the same warmup and
-decay, as BingBertSQuAD's script sets the learning rate itself.
+Without ``--config`` the run starts from the recipe ``configs/squad_onebit_adam.json`` (shipped in the package as
+``jonebit/configs/squad_onebit_adam.json``, :func:`recipe`): BingBertSQuAD's batch, learning rate, gradient clipping
+and weight decay, and 1-bit Adam with bias correction, one compression per tensor and the jonebit-only options that
+fine-tuned closest to Adam. The run adds what depends on its length: a linear warmup over 10% of the steps and a
+linear decay to 0, and for ``--optimizer onebit_adam`` (the default) the freeze after 20% of the steps;
+``--optimizer adam`` swaps in Adam with the recipe's learning rate and weight decay. The command line's flags override
+the recipe's values. A config without a ``scheduler`` section gets the same warmup and decay, as BingBertSQuAD's
+script sets the learning rate itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import importlib.resources
 import json
 import logging
 import os
@@ -32,34 +37,57 @@ import sys
 import time
 from typing import Any
 
-from jonebit.experimental import adam_ratio_bound
-
 log = logging.getLogger(__name__)
 
-_BING_BATCH = 96
-_BING_LR = 3e-5
-# The built-in clip_ratio: Adam's own bound on |m| / sqrt(v) for the default betas (0.9, 0.999), 7.27.
-ADAM_RATIO_BOUND = adam_ratio_bound()
+RECIPE_FILE = "squad_onebit_adam.json"
+
+
+class _FromRecipe:
+    """The default of an argument whose value comes from the recipe (``None`` means "off" for some of them)."""
+
+    def __repr__(self):
+        return f"<the value in {RECIPE_FILE}>"
+
+
+RECIPE: Any = _FromRecipe()
+
+
+@functools.cache
+def _recipe_text() -> str:
+    # Package data, so the recipe is found from an installed jonebit too; configs/ at the repository root links here.
+    return (importlib.resources.files("jonebit") / "configs" / RECIPE_FILE).read_text(encoding="utf-8")
+
+
+def recipe() -> dict:
+    """The SQuAD recipe (``configs/squad_onebit_adam.json``) as a fresh dict: a DeepSpeed config without the values
+    that depend on the run's length (scheduler, ``freeze_step``, ``steps_per_print``)."""
+    return json.loads(_recipe_text())
+
+
+def recipe_params() -> dict:
+    """The recipe's ``optimizer.params``."""
+    return recipe()["optimizer"]["params"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Configs
 
 
-def default_config(optimizer: str, batch_size: int, max_steps: int, *, lr: float = _BING_LR,
+def default_config(optimizer: str, batch_size: int, max_steps: int, *, lr: float = RECIPE,
                    warmup_proportion: float = 0.1, freeze_proportion: float = 0.2,
-                   weight_decay: float = 0.0, row_scales: bool = False, preconditioned: bool = True,
-                   clip_ratio: float | None = ADAM_RATIO_BOUND, variance_refresh: int | None = None,
-                   local_clip: bool = True) -> dict:
-    """The built-in DeepSpeed config: BingBertSQuAD's hyper-parameters for ``max_steps`` steps.
+                   weight_decay: float = RECIPE, row_scales: bool = RECIPE, preconditioned: bool = RECIPE,
+                   clip_ratio: float | None = RECIPE, variance_refresh: int | None = RECIPE,
+                   local_clip: bool = RECIPE) -> dict:
+    """The built-in DeepSpeed config: the recipe (:func:`recipe`) for ``max_steps`` steps.
 
-    1-bit Adam's jonebit-only options default to the combination that fine-tuned closest to Adam on SQuAD
-    (``local_clip``, ``preconditioned``, ``clip_ratio`` at Adam's own bound: F1 61.26 against 55.77 without them and
-    Adam's 61.94, ``benchmarks/BENCHMARKS.md``); ``False``/``None`` gives DeepSpeed's 1-bit Adam.
+    Each keyword left at ``RECIPE`` keeps the recipe's value. The recipe turns on the jonebit-only options of 1-bit
+    Adam that fine-tuned closest to Adam on SQuAD (``local_clip``, ``preconditioned``, ``clip_ratio`` at Adam's own
+    bound: F1 61.26 against 55.77 without them and Adam's 61.94, ``benchmarks/BENCHMARKS.md``); ``False``/``None``
+    gives DeepSpeed's 1-bit Adam.
 
     Args:
       optimizer: ``"adam"`` or ``"onebit_adam"``.
-      batch_size: ``train_batch_size`` (BingBertSQuAD: 96).
+      batch_size: ``train_batch_size``.
       max_steps: optimizer steps of the run (sets the schedule and 1-bit Adam's ``freeze_step``).
       lr: peak learning rate.
       warmup_proportion: fraction of the steps of linear warmup.
@@ -67,33 +95,35 @@ def default_config(optimizer: str, batch_size: int, max_steps: int, *, lr: float
       weight_decay: decoupled weight decay.
       row_scales: 1-bit Adam: one compression scale per row of each matrix (``onebit_adam(row_scales=True)``).
       preconditioned: 1-bit Adam: compress the update direction, not the momentum
-        (``onebit_adam(preconditioned=True)``; default on).
+        (``onebit_adam(preconditioned=True)``).
       clip_ratio: 1-bit Adam: bound on each element's ``|m| / sqrt(v)`` after the freeze
-        (``onebit_adam(clip_ratio=...)``; default Adam's own bound, 7.27; ``None``: no bound).
+        (``onebit_adam(clip_ratio=...)``; ``None``: no bound).
       variance_refresh: 1-bit Adam: every K-th update after the freeze is exact and refreshes the variance
-        (``onebit_adam(variance_refresh=K)``; default ``None``: the variance stays frozen).
-      local_clip: 1-bit Adam: clip each rank's gradient in warmup too (``onebit_adam(local_clip=True)``; default
-        on; ``False``: the averaged gradient, DeepSpeed's placement).
+        (``onebit_adam(variance_refresh=K)``; ``None``: the variance stays frozen).
+      local_clip: 1-bit Adam: clip each rank's gradient in warmup too (``onebit_adam(local_clip=True)``; ``False``:
+        the averaged gradient, DeepSpeed's placement).
     """
     if optimizer not in ("adam", "onebit_adam"):
         raise ValueError(f"--optimizer must be adam or onebit_adam, got {optimizer!r}")
-    config = {"train_batch_size": batch_size, "steps_per_print": max(1, max_steps // 10), "gradient_clipping": 1.0,
-              "scheduler": bing_schedule(lr, max_steps, warmup_proportion)}
-    if optimizer == "adam":
-        config["optimizer"] = {"type": "Adam", "params": {"lr": lr, "weight_decay": weight_decay}}
+    config = recipe()
+    params = config["optimizer"]["params"]
+    given = {"lr": lr, "weight_decay": weight_decay}
+    if optimizer == "adam":  # the baseline: Adam with the recipe's learning rate and weight decay
+        config["optimizer"] = {"type": "Adam", "params": {k: params[k] if v is RECIPE else v for k, v in given.items()
+                                                          if v is not RECIPE or k in params}}
     else:
         # DeepSpeed's freeze_step F runs F - 1 Adam updates; keep at least one of them.
-        freeze = max(1, round(freeze_proportion * max_steps)) + 1
-        config["optimizer"] = {"type": "OneBitAdam", "params": {"lr": lr, "weight_decay": weight_decay,
-                                                                "freeze_step": freeze, "bias_correction": True,
-                                                                "row_scales": row_scales,
-                                                                "preconditioned": preconditioned}}
-        if clip_ratio is not None:
-            config["optimizer"]["params"]["clip_ratio"] = clip_ratio
-        if variance_refresh is not None:
-            config["optimizer"]["params"]["variance_refresh"] = variance_refresh
-        if local_clip:
-            config["optimizer"]["params"]["local_clip"] = True
+        given |= {"freeze_step": max(1, round(freeze_proportion * max_steps)) + 1, "row_scales": row_scales,
+                  "preconditioned": preconditioned, "clip_ratio": clip_ratio, "variance_refresh": variance_refresh,
+                  "local_clip": local_clip}
+        for key, value in given.items():
+            if value is None:  # null is off, as the key's absence
+                params.pop(key, None)
+            elif value is not RECIPE:
+                params[key] = value
+    lr = config["optimizer"]["params"]["lr"]
+    config.update(train_batch_size=batch_size, steps_per_print=max(1, max_steps // 10),
+                  scheduler=bing_schedule(lr, max_steps, warmup_proportion))
     return config
 
 
@@ -347,12 +377,12 @@ def run(
     learning_rate: float | None = None,
     warmup_proportion: float = 0.1,
     freeze_proportion: float = 0.2,
-    weight_decay: float = 0.0,
-    row_scales: bool = False,
-    preconditioned: bool = True,
-    clip_ratio: float | None = ADAM_RATIO_BOUND,
-    variance_refresh: int | None = None,
-    local_clip: bool = True,
+    weight_decay: float = RECIPE,
+    row_scales: bool = RECIPE,
+    preconditioned: bool = RECIPE,
+    clip_ratio: float | None = RECIPE,
+    variance_refresh: int | None = RECIPE,
+    local_clip: bool = RECIPE,
     predict_batch_size: int = 64,
     n_best_size: int = 20,
     max_answer_length: int = 30,
@@ -363,7 +393,8 @@ def run(
     resume: bool = True,
     progress: bool = True,
 ) -> SquadResult:
-    """Fine-tunes, predicts and evaluates (see the module docstring); the arguments are the command's flags."""
+    """Fine-tunes, predicts and evaluates (see the module docstring); the arguments are the command's flags (those
+    left at ``RECIPE`` take the recipe's value, see :func:`default_config`)."""
     import jax
     from flax import nnx
 
@@ -383,9 +414,9 @@ def run(
         raise ValueError(f"--warmup-proportion must be a fraction of the steps in [0, 1], got {warmup_proportion}")
     if not 0 < freeze_proportion <= 1:
         raise ValueError(f"--freeze-proportion must be a fraction of the steps in (0, 1], got {freeze_proportion}")
-    if clip_ratio is not None and not clip_ratio > 0:
+    if clip_ratio is not None and clip_ratio is not RECIPE and not clip_ratio > 0:
         raise ValueError(f"--clip-ratio must be > 0 (or 0 for no bound), got {clip_ratio}")
-    if variance_refresh is not None and (isinstance(variance_refresh, bool) or variance_refresh < 1):
+    if variance_refresh not in (None, RECIPE) and (isinstance(variance_refresh, bool) or variance_refresh < 1):
         raise ValueError(f"--variance-refresh must be a number of updates >= 1 (or 0 for none), got {variance_refresh}")
     if data_parallel is not None and data_parallel > jax.device_count():
         raise ValueError(f"--data-parallel {data_parallel}: there are only {jax.device_count()} devices")
@@ -415,9 +446,10 @@ def run(
     # The batch size decides the steps, which the built-in config's schedule needs: resolve it first.
     mesh = data_mesh(data_parallel)
     dp = mesh.size
+    lr = learning_rate or RECIPE
     if config is None:
-        train_batch = batch_size or _BING_BATCH
-        cfg = default_config(optimizer, train_batch, 1, lr=learning_rate or _BING_LR)
+        train_batch = batch_size or recipe()["train_batch_size"]
+        cfg = default_config(optimizer, train_batch, 1, lr=lr)
     else:
         cfg = read_config(config, batch_size=batch_size, micro_batch=micro_batch, lr=learning_rate)
     train_batch = load_config(cfg).batch_sizes(dp).train_batch_size
@@ -426,13 +458,13 @@ def run(
                          "lower --batch-size or use more training questions (--max-train-examples)")
     steps = max_steps or max(1, int(epochs * (len(train_features) // train_batch)))
     if config is None:
-        cfg = default_config(optimizer, train_batch, steps, lr=learning_rate or _BING_LR,
+        cfg = default_config(optimizer, train_batch, steps, lr=lr,
                              warmup_proportion=warmup_proportion, freeze_proportion=freeze_proportion,
                              weight_decay=weight_decay, row_scales=row_scales, preconditioned=preconditioned,
                              clip_ratio=clip_ratio, variance_refresh=variance_refresh,
                              local_clip=local_clip)
     elif "scheduler" not in cfg:
-        lr = cfg.get("optimizer", {}).get("params", {}).get("lr", _BING_LR)
+        lr = cfg.get("optimizer", {}).get("params", {}).get("lr", recipe_params()["lr"])
         cfg["scheduler"] = bing_schedule(lr, steps, warmup_proportion)
         print(f"the config has no scheduler: BingBertSQuAD's linear warmup over {warmup_proportion:.0%} of the "
               f"{steps} steps and linear decay (peak lr {lr:g})")
@@ -510,6 +542,14 @@ def _check_positive(**values) -> None:
 
 def add_parser(subparsers) -> None:
     """Registers ``jonebit squad``."""
+    try:
+        base = recipe()
+    except FileNotFoundError:  # a broken install: keep the other commands working; `jonebit squad` then says why
+        base = {"train_batch_size": "(the recipe's)", "optimizer": {"params": {}}}
+    opts = base["optimizer"]["params"]
+
+    def on(key):
+        return "on" if opts.get(key) else "off"
     p = subparsers.add_parser("squad", help="fine-tune BERT on SQuAD v1.1, predict and evaluate",
                               description=__doc__.split("\n\n")[0],
                               epilog="example: jonebit squad --train-file train-v1.1.json --predict-file "
@@ -529,26 +569,33 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-query-length", type=int, default=64, help="question tokens kept (default 64)")
     p.add_argument("--epochs", type=float, default=2.0, help="passes over the training windows (default 2)")
     p.add_argument("--max-steps", type=int, help="optimizer steps (overrides --epochs)")
-    p.add_argument("--batch-size", type=int, help=f"train_batch_size (default {_BING_BATCH} built-in, else the "
-                   "config's; scales a config down to this machine)")
+    p.add_argument("--batch-size", type=int, help=f"train_batch_size (default {base['train_batch_size']} built-in, "
+                   "else the config's; scales a config down to this machine)")
     p.add_argument("--micro-batch", type=int, help="override train_micro_batch_size_per_gpu")
-    p.add_argument("--learning-rate", type=float, help=f"peak learning rate (default {_BING_LR:g}, or the config's)")
+    p.add_argument("--learning-rate", type=float, help=f"peak learning rate (default {opts.get('lr', 'the recipe')}, "
+                   "or the config's)")
     p.add_argument("--warmup-proportion", type=float, default=0.1, help="fraction of warmup steps (default 0.1)")
     p.add_argument("--freeze-proportion", type=float, default=0.2,
                    help="built-in 1-bit Adam: fraction of uncompressed steps (default 0.2)")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="built-in config's weight decay (default 0)")
-    p.add_argument("--row-scales", action="store_true",
-                   help="built-in 1-bit Adam: one compression scale per row of each matrix (8%% more bytes)")
-    p.add_argument("--preconditioned", action=argparse.BooleanOptionalAction, default=True,
-                   help="built-in 1-bit Adam: compress the update direction m / (sqrt(v) + eps), not m (default on)")
-    p.add_argument("--clip-ratio", type=float, default=ADAM_RATIO_BOUND,
-                   help=f"built-in 1-bit Adam: bound on |m| / sqrt(v) after the freeze (default Adam's own, "
-                   f"{ADAM_RATIO_BOUND:.2f}; 0: none)")
+    # The built-in config's options default to None: the recipe's value (shown in the help).
+    p.add_argument("--weight-decay", type=float,
+                   help=f"built-in config's weight decay (default {opts.get('weight_decay', 0.0):g})")
+    p.add_argument("--row-scales", action="store_true", default=None,
+                   help="built-in 1-bit Adam: one compression scale per row of each matrix (8%% more bytes; default "
+                   f"{on('row_scales')})")
+    p.add_argument("--preconditioned", action=argparse.BooleanOptionalAction,
+                   help="built-in 1-bit Adam: compress the update direction m / (sqrt(v) + eps), not m (default "
+                   f"{on('preconditioned')})")
+    ratio = opts.get("clip_ratio")
+    p.add_argument("--clip-ratio", type=float,
+                   help="built-in 1-bit Adam: bound on |m| / sqrt(v) after the freeze (default "
+                   f"{'none' if ratio is None else f'{ratio:.2f}'}; 0: none)")
     p.add_argument("--variance-refresh", type=int, metavar="K",
-                   help="built-in 1-bit Adam: every K-th update after the freeze is exact and refreshes the variance")
-    p.add_argument("--local-clip", action=argparse.BooleanOptionalAction, default=True,
+                   help="built-in 1-bit Adam: every K-th update after the freeze is exact and refreshes the variance "
+                   f"(default {opts.get('variance_refresh') or 'none'}; 0: none)")
+    p.add_argument("--local-clip", action=argparse.BooleanOptionalAction,
                    help="built-in 1-bit Adam: clip each rank's gradient in warmup too, the same scale as after the "
-                   "freeze (default on; --no-local-clip: the averaged gradient, as DeepSpeed)")
+                   f"freeze (default {on('local_clip')}; --no-local-clip: the averaged gradient, as DeepSpeed)")
     p.add_argument("--max-train-examples", type=int, help="use the first N training questions")
     p.add_argument("--max-eval-examples", type=int, help="predict the first N questions of --predict-file")
     p.add_argument("--predict-batch-size", type=int, default=64, help="windows per prediction batch (default 64)")
@@ -565,6 +612,16 @@ def add_parser(subparsers) -> None:
     p.add_argument("--devices", type=int, default=8,
                    help="simulated CPU devices when running on CPU (data-parallel ranks; default 8)")
     p.set_defaults(func=main)
+
+
+def _recipe_overrides(args) -> dict:
+    """The built-in config's options the command line gave (0 turns a bound off); the rest stay the recipe's."""
+    out = {}
+    for name in ("weight_decay", "row_scales", "preconditioned", "clip_ratio", "variance_refresh", "local_clip"):
+        value = getattr(args, name)
+        if value is not None:
+            out[name] = None if name in ("clip_ratio", "variance_refresh") and value == 0 else value
+    return out
 
 
 def main(args) -> int:
@@ -585,9 +642,7 @@ def main(args) -> int:
             batch_size=args.batch_size, micro_batch=args.micro_batch, max_steps=args.max_steps,
             max_train_examples=args.max_train_examples, max_eval_examples=args.max_eval_examples,
             learning_rate=args.learning_rate, warmup_proportion=args.warmup_proportion,
-            freeze_proportion=args.freeze_proportion, weight_decay=args.weight_decay, row_scales=args.row_scales,
-            preconditioned=args.preconditioned, clip_ratio=args.clip_ratio or None,
-            variance_refresh=args.variance_refresh or None, local_clip=args.local_clip,
+            freeze_proportion=args.freeze_proportion, **_recipe_overrides(args),
             predict_batch_size=args.predict_batch_size,
             n_best_size=args.n_best_size,
             max_answer_length=args.max_answer_length, eval_every=args.eval_every,

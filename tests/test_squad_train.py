@@ -317,11 +317,54 @@ def test_configs_scale_the_batch_and_keep_the_rest(tmp_path):
     assert params["preconditioned"] is True and params["local_clip"] is True and "variance_refresh" not in params
     assert params["clip_ratio"] == pytest.approx(adam_ratio_bound(0.9, 0.999), rel=1e-12)
     plain = default_config("onebit_adam", 96, 100, preconditioned=False, clip_ratio=None, local_clip=False)
-    assert "clip_ratio" not in plain["optimizer"]["params"] and "local_clip" not in plain["optimizer"]["params"]
-    assert plain["optimizer"]["params"]["preconditioned"] is False
+    assert "clip_ratio" not in plain["optimizer"]["params"]  # None: no bound, as the key's absence
+    resolved = load_config(plain).optimizer.params
+    assert (resolved["preconditioned"], resolved["clip_ratio"], resolved["local_clip"]) == (False, None, False)
     sched = onebit["scheduler"]["params"]
     assert (sched["warmup_max_lr"], sched["warmup_num_steps"], sched["warmup_type"]) == (3e-5, 10, "linear")
     adam = default_config("adam", 96, 100)
     assert adam["optimizer"]["type"] == "Adam" and adam["scheduler"] == onebit["scheduler"]
     with pytest.raises(ValueError, match=r"--optimizer must be adam or onebit_adam, got 'sgd'"):
         default_config("sgd", 96, 100)
+
+
+def test_squad_recipe_is_one_file_read_by_the_package():
+    """The built-in config starts from configs/squad_onebit_adam.json (package data): no option value in code."""
+    from jonebit.experimental import adam_ratio_bound
+    from jonebit.squad_train import default_config, recipe
+    from jonebit.train.config import load_config
+
+    top = pathlib.Path(__file__).resolve().parents[1] / "configs" / "squad_onebit_adam.json"
+    assert json.loads(top.read_text()) == recipe()  # the repository's configs/ shows the packaged file
+    ds = load_config(recipe())
+    params = ds.optimizer.params
+    assert ds.optimizer.type == "OneBitAdam" and ds.train_batch_size == 96 and ds.gradient_clipping == 1.0
+    assert (params["preconditioned"], params["local_clip"], params["bias_correction"]) == (True, True, True)
+    assert params["clip_ratio"] == adam_ratio_bound()  # Adam's own bound for the recipe's (default) betas
+    assert params["betas"] == (0.9, 0.999)
+    # The built-in config keeps every value of the recipe's optimizer params.
+    onebit = default_config("onebit_adam", 96, 100)["optimizer"]["params"]
+    assert {k: onebit[k] for k in recipe()["optimizer"]["params"]} == recipe()["optimizer"]["params"]
+
+
+@pytest.mark.parametrize("argv,want", [
+    ([], {}),
+    (["--no-local-clip", "--no-preconditioned"], {"local_clip": False, "preconditioned": False}),
+    (["--clip-ratio", "0", "--variance-refresh", "0"], {"clip_ratio": None, "variance_refresh": None}),
+    (["--clip-ratio", "3", "--row-scales", "--variance-refresh", "4", "--weight-decay", "0.01"],
+     {"clip_ratio": 3.0, "row_scales": True, "variance_refresh": 4, "weight_decay": 0.01}),
+])
+def test_squad_flags_override_the_recipe(argv, want):
+    import argparse
+
+    from jonebit.squad_train import _recipe_overrides, add_parser, default_config, recipe
+    from jonebit.train.config import load_config
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["squad", "--train-file", "t", "--predict-file", "p", "--init", "hf:x", *argv])
+    assert _recipe_overrides(args) == want
+    got = load_config(default_config("onebit_adam", 96, 100, **want)).optimizer.params
+    expected = load_config(recipe()).optimizer.params | want
+    assert {k: got[k] for k in expected if k != "freeze_step"} == \
+        {k: v for k, v in expected.items() if k != "freeze_step"}

@@ -730,7 +730,7 @@ def test_mpi_backend_is_selected(cuda_aware, env):
      ("true", True, "true", False), ("off", False, "off", False)],
 )
 def test_cuda_aware_sets_mpi4jax_mode(monkeypatch, caplog, env, cuda_aware, want, warns):
-    from jonebit.train.config import _apply_cuda_aware
+    from jonebit.train.optimizers import _apply_cuda_aware
 
     if env is None:
         monkeypatch.delenv("MPI4JAX_USE_CUDA_MPI", raising=False)
