@@ -43,7 +43,7 @@ run: $(VENV)/.stamp-run
 	$(VENV)/bin/jonebit pretrain --output runs/pretrain
 
 demo: $(VENV)/.stamp-base
-	$(PY) -m jonebit.demo
+	$(PY) -m jonebit.apps.demo
 
 # One pytest worker per core (XLA compiles on one thread, so two workers on two cores nearly halve the run); a
 # test file stays on one worker, which keeps its module fixtures shared.

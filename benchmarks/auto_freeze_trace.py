@@ -53,10 +53,10 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     from flax import nnx
 
+    from jonebit.apps.pretrain import _prepare_data, build_model, default_configs, make_loss
     from jonebit.data.pretraining import PretrainingData
     from jonebit.data.tokenization import load_wordpiece
     from jonebit.models.bert import position_embedding_mask
-    from jonebit.pretrain import _prepare_data, build_model, default_configs, make_loss
     from jonebit.train.config import load_config
     from jonebit.train.initialize import initialize
 

@@ -111,8 +111,8 @@ def main(argv=None) -> int:
         ap.error(f"--until-step {args.until_step} must be between 1 and --steps {args.steps} (0: run to --steps)")
     stop = args.until_step or args.steps
 
+    from jonebit.apps.pretrain import _prepare_data, default_configs, run
     from jonebit.plot import plot_runs
-    from jonebit.pretrain import _prepare_data, default_configs, run
 
     work = pathlib.Path(args.workdir)
     prep = argparse.Namespace(corpus=args.corpus, vocab=args.vocab, vocab_size=2000, seq_len=args.seq_len,

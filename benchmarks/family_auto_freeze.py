@@ -21,7 +21,7 @@ from common import table, write_json
 from jax.sharding import PartitionSpec as P
 
 import jonebit
-from jonebit.demo import corpus
+from jonebit.apps.demo import corpus
 from jonebit.models import tiny_lm
 from jonebit.train.data_parallel import data_mesh
 

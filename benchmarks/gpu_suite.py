@@ -88,9 +88,9 @@ import report as report_md  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jonebit  # noqa: E402
+from jonebit.apps.pretrain import make_loss  # noqa: E402
 from jonebit.comm import pack_signs, unpack_signs  # noqa: E402
 from jonebit.models.bert import BertConfig, BertForPreTraining  # noqa: E402
-from jonebit.pretrain import make_loss  # noqa: E402
 from jonebit.train.data_parallel import (  # noqa: E402
     data_mesh,
     init_optimizer,
@@ -436,7 +436,7 @@ def bench_bert(size: dict, repeats: int, clock: Clock, batch_size: int) -> dict:
     return dict(config=size["bert_config"], vocab_size=config.vocab_size, batch=batch_size, seq=seq,
                 masked_per_seq=per_seq, params=n_params, encoder_params=n_encoder, world_size=mesh.size,
                 flops_per_step=flops, flops_formula=FLOPS_FORMULA, peak_bf16_flops_per_s=peak,
-                dropout="on (the pre-training loss of jonebit.pretrain.make_loss)", arms=results,
+                dropout="on (the pre-training loss of jonebit.apps.pretrain.make_loss)", arms=results,
                 skipped_arms=skipped, failed_arms=failed,
                 ratio_onebit_over_adamw_tokens=ratio(tps.get("onebit_make_step"), tps.get("adamw_make_step")),
                 ratio_engine_over_make_step_tokens=ratio(tps.get("onebit_engine"), tps.get("onebit_make_step")),

@@ -1,6 +1,6 @@
 """SQuAD v1.1 fine-tuning with Adam and with 1-bit Adam on the same budget: EM/F1, bytes sent, time.
 
-Both runs use ``jonebit squad``'s code path (:func:`jonebit.squad_train.run`) with its built-in BingBertSQuAD-style
+Both runs use ``jonebit squad``'s code path (:func:`jonebit.apps.squad.run`) with its built-in BingBertSQuAD-style
 config: same initial checkpoint, training questions, sequence length, steps, batch, learning rate, schedule and
 seed; 1-bit Adam runs its first ``--freeze-proportion`` of the steps as Adam, then compresses.
 
@@ -96,7 +96,7 @@ def main() -> None:
     p.add_argument("--tag", help="also write benchmarks/results/squad_finetune/TAG.{json,png} (the curves)")
     args = p.parse_args()
 
-    from jonebit.squad_train import run
+    from jonebit.apps.squad import run
 
     out = pathlib.Path(args.output)
     rows = []

@@ -12,9 +12,9 @@ SUBCOMMAND_MODULES = (
     "jonebit.doctor",
     "jonebit.launch",
     "jonebit.plot",
-    "jonebit.pretrain",
-    "jonebit.squad_cli",
-    "jonebit.squad_train",
+    "jonebit.apps.pretrain",
+    "jonebit.apps.squad_cli",
+    "jonebit.apps.squad",
     "jonebit.train.config_cli",
 )
 

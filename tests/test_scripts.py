@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
+from jonebit.apps.pretrain import embedded_corpus
 from jonebit.data.pretraining import iter_texts
 from jonebit.data.tokenization import train_wordpiece
-from jonebit.pretrain import embedded_corpus
 from tests.mpi_util import ROOT
 
 

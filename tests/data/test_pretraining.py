@@ -277,8 +277,8 @@ def test_trained_vocabulary_has_a_canonical_order(tmp_path):
     """The trainer's threads order equal-count tokens differently from run to run: the ids follow a canonical
     order instead (special tokens, then the rest sorted), so the same token set always gets the same ids. (The set
     itself can still differ by a few tokens at the size cutoff, where the trainer breaks ties by hash order.)"""
+    from jonebit.apps.pretrain import embedded_corpus
     from jonebit.data.pretraining import iter_texts
-    from jonebit.pretrain import embedded_corpus
 
     corpus = embedded_corpus(tmp_path / "corpus.txt")
     tok = train_wordpiece(iter_texts([corpus]), 2000)

@@ -14,7 +14,7 @@ import pytest
 from jonebit.cli import main
 
 # The official files next to the checkout (../shared/data/squad), as the project's other SQuAD tests find them.
-SQUAD_DIR = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "squad"
+SQUAD_DIR = pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "squad"
 
 
 def _minilm_dir() -> pathlib.Path | None:
@@ -90,7 +90,7 @@ def _first_ids(data: dict, n: int) -> list[str]:
 def squad_run(tmp_path_factory, minilm, squad_files):
     train, dev = squad_files
     out = tmp_path_factory.mktemp("squad") / "run"
-    config = pathlib.Path(__file__).resolve().parents[1] / "configs" / "bing_bert_squad_onebit_adam.json"
+    config = pathlib.Path(__file__).resolve().parents[2] / "configs" / "bing_bert_squad_onebit_adam.json"
     code = main(["squad", "--train-file", str(train), "--predict-file", str(dev), "--init", f"hf:{minilm}",
                  "--config", str(config), "--batch-size", "8", "--data-parallel", "1", "--max-seq-length", "128",
                  "--max-train-examples", "32", "--max-eval-examples", "16", "--max-steps", "2", "--no-progress",
@@ -133,8 +133,8 @@ def test_squad_hf_export_is_the_trained_model(squad_run, minilm):
     import jax
     from flax import nnx
 
+    from jonebit.apps.squad import build_model
     from jonebit.models.bert import BertForQuestionAnswering, load_hf_checkpoint
-    from jonebit.squad_train import build_model
 
     out, _ = squad_run
     assert (out / "hf" / "vocab.txt").read_text() == (minilm / "vocab.txt").read_text()
@@ -164,10 +164,10 @@ def _predict(init: pathlib.Path, data: dict, seq: int, query: int, kind: str = "
     (``dtype``: the compute dtype, the run's config's for its own model)."""
     from flax import nnx
 
+    from jonebit.apps.squad import EvalSet, build_model, make_predict
     from jonebit.data.squad import convert_examples_to_features, load_squad
     from jonebit.data.tokenization import load_wordpiece
     from jonebit.models.bert import BertForQuestionAnswering, load_hf_checkpoint
-    from jonebit.squad_train import EvalSet, build_model, make_predict
 
     tokenizer = load_wordpiece(init / "vocab.txt")
     examples = load_squad(data).examples
@@ -294,10 +294,10 @@ def test_squad_bad_arguments_exit_2_with_a_message(tiny, tmp_path, capsys, extra
 
 
 def test_configs_scale_the_batch_and_keep_the_rest(tmp_path):
-    from jonebit.squad_train import default_config, read_config
+    from jonebit.apps.squad import default_config, read_config
     from jonebit.train.config import load_config
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "bing_bert_squad_onebit_adam.json"
+    path = pathlib.Path(__file__).resolve().parents[2] / "configs" / "bing_bert_squad_onebit_adam.json"
     original = json.loads(path.read_text())
     cfg = read_config(path, batch_size=16, micro_batch=None, lr=None)
     assert cfg["train_batch_size"] == 16 and "train_micro_batch_size_per_gpu" not in cfg
@@ -330,11 +330,11 @@ def test_configs_scale_the_batch_and_keep_the_rest(tmp_path):
 
 def test_squad_recipe_is_one_file_read_by_the_package():
     """The built-in config starts from configs/squad_onebit_adam.json (package data): no option value in code."""
+    from jonebit.apps.squad import default_config, recipe
     from jonebit.experimental import adam_ratio_bound
-    from jonebit.squad_train import default_config, recipe
     from jonebit.train.config import load_config
 
-    top = pathlib.Path(__file__).resolve().parents[1] / "configs" / "squad_onebit_adam.json"
+    top = pathlib.Path(__file__).resolve().parents[2] / "configs" / "squad_onebit_adam.json"
     assert json.loads(top.read_text()) == recipe()  # the repository's configs/ shows the packaged file
     ds = load_config(recipe())
     params = ds.optimizer.params
@@ -357,7 +357,7 @@ def test_squad_recipe_is_one_file_read_by_the_package():
 def test_squad_flags_override_the_recipe(argv, want):
     import argparse
 
-    from jonebit.squad_train import _recipe_overrides, add_parser, default_config, recipe
+    from jonebit.apps.squad import _recipe_overrides, add_parser, default_config, recipe
     from jonebit.train.config import load_config
 
     parser = argparse.ArgumentParser()

@@ -1,7 +1,7 @@
 import jax
 import numpy as np
 
-from jonebit import demo
+from jonebit.apps import demo
 from jonebit.models import tiny_lm
 
 

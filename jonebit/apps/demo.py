@@ -4,7 +4,7 @@ Runs on CPU-simulated devices with text that ships with Python (``pydoc_data.top
 download. Both runs see the same batches; the table compares losses and the bytes each rank sends per
 step, read from the compiled programs.
 
-    python -m jonebit.demo [--steps 200] [--freeze-step 40] [--devices 8]
+    python -m jonebit.apps.demo [--steps 200] [--freeze-step 40] [--devices 8]
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ def test_model_runs_its_matmuls_in_the_configured_precision(precision, dtype):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jonebit.pretrain import build_model, make_loss
+    from jonebit.apps.pretrain import build_model, make_loss
     from jonebit.train.config import load_config
     from jonebit.train.initialize import compute_dtype
 
@@ -147,8 +147,8 @@ def _equations(jaxpr):
 
 def test_a_users_corpus_is_evaluated_by_default(tmp_path, capsys):
     """``--corpus FILE`` with no --heldout-documents holds out 5% of the documents and reports a held-out loss."""
+    from jonebit.apps.pretrain import embedded_corpus
     from jonebit.data.pretraining import read_documents
-    from jonebit.pretrain import embedded_corpus
 
     corpus = embedded_corpus(tmp_path / "mine.txt")  # the same sizes as run_dir's run: its programs are cached
     n = len(read_documents([corpus]))
@@ -163,7 +163,7 @@ def test_a_users_corpus_is_evaluated_by_default(tmp_path, capsys):
 
 
 def test_too_small_a_corpus_says_evaluation_is_skipped(tmp_path, capsys):
-    from jonebit.pretrain import _default_heldout
+    from jonebit.apps.pretrain import _default_heldout
 
     small = tmp_path / "small.txt"
     small.write_text("One sentence. Another one.\n\nA second document here.\n")
