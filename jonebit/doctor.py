@@ -35,6 +35,7 @@ class Check:
       detail: versions, paths, device lists, or why it failed.
       fix: a shell command that installs or repairs it, when not ``ok``.
       data: machine-readable facts (``--json``).
+      note: a hint for an ``ok`` check (printed on its own line).
     """
 
     name: str
@@ -43,6 +44,7 @@ class Check:
     detail: str
     fix: str | None = None
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
+    note: str | None = None
 
 
 def _pip(*requirements: str) -> str:
@@ -111,11 +113,16 @@ def check_devices() -> Check:
     detail = (f"{len(devices)} x {devices[0].platform} ({', '.join(kinds)}), default backend "
               f"{jax.default_backend()}; backends: " + ", ".join(f"{k} ({n})" for k, n in backends.items()))
     ok = total == 6.0
+    # "1 x cpu" reads like a limit; data parallelism can be tried on one machine with simulated devices.
+    note = ("to simulate N CPU devices (data parallelism on one machine), set XLA_FLAGS="
+            "--xla_force_host_platform_device_count=N or JAX_NUM_CPU_DEVICES=N before jax starts, e.g. "
+            "JAX_NUM_CPU_DEVICES=8 jonebit doctor") if devices[0].platform == "cpu" else None
     return Check(
         "devices", ok, True, detail if ok else detail + f"; 0+1+2+3 gave {total}",
         None if ok else "reinstall jaxlib: " + _pip("--force-reinstall", "jax>=0.10,<0.11"),
         {"count": len(devices), "platform": devices[0].platform, "default_backend": jax.default_backend(),
          "backends": backends, "process_count": jax.process_count()},
+        note,
     )
 
 
@@ -278,6 +285,8 @@ def format_report(checks: list[Check]) -> str:
         lines.append(f"{mark:<4} {c.name:<{width}}  {c.detail}")
         if c.fix:
             lines.append(f"{'':<4} {'':<{width}}  fix: {c.fix}")
+        if c.note:
+            lines.append(f"{'':<4} {'':<{width}}  note: {c.note}")
     ok = core_ok(checks)
     lines.append("")
     lines.append("core: OK" if ok else "core: BROKEN (see the FAIL lines above)")

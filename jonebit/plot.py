@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import sys
 
 import numpy as np
@@ -102,10 +103,17 @@ def plot_runs(run_dirs, output, *, labels=None, smooth: int = 1):
     return fig
 
 
+def plain(text: str) -> str:
+    """Docstring text without its Sphinx markup, for ``--help``: ``:func:`a.b``` -> a.b, double backquotes
+    dropped."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
+    return re.sub(r"``([^`]+)``", r"\1", text)
+
+
 def add_parser(subparsers) -> None:
     """Registers ``jonebit plot``."""
     p = subparsers.add_parser("plot", help="plot training curves of run directories (loss vs step and vs bytes)",
-                              description=__doc__.split("\n\n")[1])
+                              description=plain(__doc__.split("\n\n")[1]))
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (or metrics.jsonl files)")
     p.add_argument("-o", "--output", default="curves.png", help="output image (default: curves.png)")
     p.add_argument("--labels", nargs="+", help="one legend label per run (default: the directory names)")

@@ -23,6 +23,7 @@ import jonebit
 from jonebit.models.bert import BertConfig, BertModel, load_hf_checkpoint, save_hf_checkpoint
 from jonebit.sharding import zero_shardings
 from jonebit.sharding.mesh import data_mesh
+from jonebit.train import schedules
 from jonebit.train.data_parallel import init_optimizer, make_step, make_update, replicate, shard_batch
 from jonebit.train.zero import init_zero, make_zero_step
 
@@ -156,7 +157,56 @@ def onebit_in_a_shard_map_without_its_axis():
     return jax.shard_map(tx.init, mesh=other, in_specs=P(), out_specs=P(), check_vma=False)({"w": jnp.ones(4)})
 
 
+def weights_as_directory(tmp_path):
+    path = checkpoint(tmp_path)
+    (path / "model.safetensors").unlink()
+    (path / "model.safetensors").mkdir()
+    return load_hf_checkpoint(path)
+
+
+def restore_as_bf16(tmp_path):
+    from jonebit.train import checkpoint as ckpt
+
+    ckpt.save(tmp_path / "run", {"w": jnp.ones((4, 3), jnp.float32)}, step=1)
+    return ckpt.restore(tmp_path / "run", {"w": jnp.ones((4, 3), jnp.bfloat16)})
+
+
+def config_with_schedule(**params):
+    from jonebit.train.config import load_config
+
+    return load_config({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                        "scheduler": {"type": "WarmupLinearDecayExp",
+                                      "params": {"total_training_steps": 100, **params}}})
+
+
 CASES = [
+    # --- learning-rate schedules: a NaN or negative rate would be applied silently (negative: gradient ascent)
+    ("schedule-negative-min", lambda _: schedules.warmup_lr(-1e-4, 1e-3, 10),
+     ValueError, r"^WarmupLR: the learning rate of update 0 \(optax count 0; step 1 when no step was skipped\) is "
+                 r"-0\.0001, negative: the update would ascend the gradient; check warmup_min_lr and warmup_max_lr$"),
+    ("schedule-range-test-falls", lambda _: schedules.lr_range_test(1e-3, 10, -0.5),
+     ValueError, r"^LRRangeTest: the learning rate of update 22 .* is -5\.0+\d*e-05, negative"),
+    ("schedule-nan-lr", lambda _: schedules.warmup_cosine_lr(float("nan"), 100),
+     ValueError, r"^WarmupCosineLR: the learning rate of update 0 .* is nan, not a finite number; check the "
+                 r"optimizer's lr"),
+    ("schedule-config-overflow", lambda _: config_with_schedule(decay_rate=1e30, decay_step=1),
+     ValueError, r"scheduler\.params: WarmupLinearDecayExp: the learning rate of update 2 \(optax count 2; step 3 "
+                 r"when no step was skipped\) is inf, not a finite number; check learning_rate, warmup_proportion "
+                 r"and decay_rate"),
+    # --- compression sizes and packing
+    ("padded_size-float", lambda _: jonebit.comm.padded_size(10.7, 8),
+     TypeError, r"^padded_size: n must be an int \(a number of elements or ranks\), got 10\.7 \(float\)$"),
+    ("padded_size-float-world", lambda _: jonebit.comm.padded_size(16, 8.0),
+     TypeError, r"^padded_size: world_size must be an int .*got 8\.0 \(float\)$"),
+    ("unpack_signs-traced-n", lambda _: jax.jit(jonebit.comm.unpack_signs)(np.zeros(2, np.uint8), 16),
+     TypeError, r"^unpack_signs: n must be a static Python int \(it sets the output's length\), got a traced value; "
+                r"pass it from a shape or mark it static \(jax\.jit's static_argnums\)"),
+    ("unpack_signs-float-n", lambda _: jonebit.comm.unpack_signs(np.zeros(2, np.uint8), 8.5),
+     TypeError, r"^unpack_signs: n must be an int \(the number of signs\), got 8\.5 \(float\)$"),
+    # --- training checkpoints
+    ("restore-float32-into-bf16", restore_as_bf16,
+     ValueError, r"state leaf 'w' was saved as float32, the target has dtype bfloat16; restore into a target of "
+                 r"the saved dtype \(float32\) and cast afterwards"),
     # --- Flax NNX entry point, and the 1-bit optimizers' axis
     ("nnx-step-after-update", lambda _: nnx_step_after_an_update(),
      ValueError, r"make_train_step: the optimizer has already taken 1 steps; make the train step before the first "
@@ -255,6 +305,12 @@ CASES = [
     # --- HuggingFace checkpoint directories
     ("ckpt-bad-config", bad_config_checkpoint,
      TypeError, r"BERT config .*ckpt/config\.json: num_attention_heads must be an integer, got '2' \(str\)"),
+    ("ckpt-weights-a-directory", weights_as_directory,
+     IsADirectoryError, r"ckpt/model\.safetensors is a directory, not a file; the checkpoint directory .*ckpt must "
+                        r"hold model\.safetensors as a file"),
+    ("ckpt-path-a-file", lambda p: load_hf_checkpoint(checkpoint(p) / "config.json"),
+     NotADirectoryError, r"HuggingFace checkpoint path .*ckpt/config\.json is a file; pass the directory that holds "
+                         r"config\.json and model\.safetensors"),
     ("ckpt-corrupt-weights", corrupt_weights,
      ValueError, r"cannot read .*ckpt/model\.safetensors as a safetensors file \(\w+: .*\); re-download"),
     ("ckpt-missing-tensors", lambda p: load_hf_checkpoint(checkpoint(p, without("encoder.layer.0.output."))),

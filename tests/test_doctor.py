@@ -96,3 +96,23 @@ def test_text_report_lists_core_checks_and_verdict():
 def test_bad_timeout_is_refused():
     with pytest.raises(SystemExit, match=r"--mpi-timeout must be > 0 seconds, got -1"):
         main(["doctor", "--mpi-timeout", "-1"])
+
+
+def test_cpu_devices_line_says_how_to_simulate_more():
+    """The note's two settings do what it says: a fresh interpreter given either sees N CPU devices."""
+    from jonebit.doctor import check_devices, format_report
+
+    check = check_devices()
+    assert check.data["platform"] == "cpu"
+    report = format_report([check])
+    assert ("note: to simulate N CPU devices (data parallelism on one machine), set "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=N or JAX_NUM_CPU_DEVICES=N") in report
+    count = "import jax; print(jax.device_count())"
+    env = worker_env(XLA_FLAGS="--xla_force_host_platform_device_count=3", JAX_PLATFORMS="cpu")
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    assert subprocess.run([PY, "-c", count], env=env, capture_output=True, text=True,
+                          timeout=300).stdout.strip() == "3"
+    env = worker_env(JAX_NUM_CPU_DEVICES="5", JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    assert subprocess.run([PY, "-c", count], env=env, capture_output=True, text=True,
+                          timeout=300).stdout.strip() == "5"

@@ -55,3 +55,14 @@ def test_bad_run_dirs(tmp_path, capsys, content, pattern):
         read_metrics(run)
     assert main(["plot", str(run), "-o", str(tmp_path / "x.png")]) == 2
     assert "jonebit plot:" in capsys.readouterr().err
+
+
+def test_help_is_plain_text(capsys):
+    """--help shows the docstring's words without Sphinx markup (double backquotes, :func: roles)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plot", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse rewraps
+    assert "``" not in text and ":func:" not in text and "`" not in text
+    assert "Reads each run's metrics.jsonl (written by jonebit.train.loop.train)" in text
+    assert "(pip install 'jonebit[plot]')" in text

@@ -212,8 +212,12 @@ def run(
     loop = engine.loop_config(output, max_steps, checkpoint_every=checkpoint_every, eval_every=eval_every,
                               tokens_per_example=seq_len, progress_bar=progress)
     t0 = time.perf_counter()
+    from jonebit.train.loop import RESUME_FIXED
+
+    # Saved with each checkpoint: a resume warns about changed settings and refuses those the state depends on.
+    run_config = {**cfg.to_dict(), "pretrain": {"model": model, "seq_len": seq_len, "seed": seed}}
     engine.train(train_data.batches(engine.batch.train_batch_size, seed=seed), loop, evaluate=evaluate,
-                 resume=resume)
+                 resume=resume, run_config=run_config, fixed=RESUME_FIXED + ("pretrain.model", "pretrain.seq_len"))
     seconds = time.perf_counter() - t0
     if export and jax.process_index() == 0:
         nnx.update(net, jax.device_get(engine.params))

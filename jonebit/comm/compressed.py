@@ -33,12 +33,20 @@ from jonebit.comm.packing import pack_signs, select_signs, sign_bits, unpack_row
 _SCALE_BYTES = 4  # one float32 scale, bit-cast to uint8
 
 
+def _count(value, name: str) -> int:
+    """``value`` as an int; ``int()`` would truncate a float (10.7 -> 10) into a wrong size without a word."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"padded_size: {name} must be an int (a number of elements or ranks), got "
+                        f"{value!r} ({type(value).__name__})")
+    return int(value)
+
+
 def padded_size(n: int, world_size: int) -> int:
     """Length ``n`` rounded up to a multiple of ``P * lcm(P, 8)``.
 
     That makes every rank's chunk ``C = N_pad / P`` a multiple of 8 (whole bytes) and equal across ranks.
     """
-    n, world_size = int(n), int(world_size)
+    n, world_size = _count(n, "n"), _count(world_size, "world_size")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if n < 0:

@@ -6,6 +6,7 @@ A bit is 1 when the value is ``>= 0`` and 0 otherwise, so exact zeros and ``-0.0
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -49,13 +50,19 @@ def unpack_signs(packed: jnp.ndarray, n: int) -> jnp.ndarray:
 
     Args:
       packed: 1-D ``uint8`` array.
-      n: number of signs to return; at most ``8 * len(packed)``.
+      n: number of signs to return, a static Python int (it sets the output's shape); at most
+        ``8 * len(packed)``.
     """
     packed = jnp.asarray(packed)
     if packed.dtype != jnp.uint8:
         raise TypeError(f"unpack_signs expects uint8 bytes, got {packed.dtype}")
     if packed.ndim != 1:
         raise ValueError(f"unpack_signs expects a 1-D array, got shape {packed.shape}")
+    if isinstance(n, jax.core.Tracer):
+        raise TypeError("unpack_signs: n must be a static Python int (it sets the output's length), got a traced "
+                        "value; pass it from a shape or mark it static (jax.jit's static_argnums)")
+    if isinstance(n, bool) or not isinstance(n, int | np.integer):
+        raise TypeError(f"unpack_signs: n must be an int (the number of signs), got {n!r} ({type(n).__name__})")
     if not 0 <= n <= 8 * packed.shape[0]:
         raise ValueError(f"cannot unpack {n} signs from {packed.shape[0]} bytes")
     return unpack_rows(packed).reshape(-1)[:n]

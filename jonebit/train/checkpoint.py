@@ -31,7 +31,8 @@ barriers.
 
 Restore refuses, with an error that names the file or the key path: a damaged or missing metadata
 file, a data file whose size or checksum differs from the manifest, and a target whose tree (keys,
-shapes, 1-bit Adam states) differs from the saved one. Target leaves may be ``jax.Array`` or
+shapes, dtypes, 1-bit Adam states) differs from the saved one (no silent cast, e.g. float32 into
+bfloat16). Target leaves may be ``jax.Array`` or
 ``jax.ShapeDtypeStruct`` with a ``sharding`` (restored onto that sharding: this is what reshards onto
 another mesh), or numpy arrays (restored as whole numpy arrays on the host, e.g. to inspect a
 checkpoint).
@@ -224,6 +225,14 @@ def _compare(saved_tree, target_tree, *, what: str, src: pathlib.Path) -> None:
             raise CheckpointError(
                 f"checkpoint {src}: {what} leaf {key!r} was saved with {_describe(saved[key])}, the target has "
                 f"{_describe(sd)}{hint}"
+            )
+        if "?" not in (saved[key][1], sd[1]) and saved[key][1] != sd[1]:
+            # orbax would cast silently (float32 -> bfloat16 drops 16 bits of every value, and a resumed run
+            # then differs from the saved one); a cast has to be the caller's explicit choice.
+            raise CheckpointError(
+                f"checkpoint {src}: {what} leaf {key!r} was saved as {saved[key][1]}, the target has dtype "
+                f"{sd[1]}; restore into a target of the saved dtype ({saved[key][1]}) and cast afterwards if a "
+                f"different precision is intended (e.g. jax.tree.map(lambda x: x.astype(...), state))"
             )
     if extra:
         raise CheckpointError(

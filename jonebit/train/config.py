@@ -731,6 +731,34 @@ def build_optimizer(
     return tx
 
 
+def _describe_clipping(config: DeepSpeedConfig) -> str:
+    """The clipping build_optimizer applies: the bound, its source and where it acts."""
+    opt = config.optimizer
+    if opt is None:
+        if config.gradient_clipping > 0:
+            return (f"gradient clipping: {config.gradient_clipping:g} (gradient_clipping; not applied: there is no "
+                    "optimizer section, bring your own optax transformation)")
+        return "gradient clipping: off\noptimizer: none (bring your own optax transformation)"
+    given = opt.params.get("max_grad_norm", 0.0)
+    max_grad_norm = given if opt.spec.MAX_GRAD_NORM_CLIPS else 0.0
+    bounds = {k: v for k, v in (("gradient_clipping", config.gradient_clipping),
+                                ("optimizer.params.max_grad_norm", max_grad_norm)) if v > 0}
+    ignored = (f"; optimizer.params.max_grad_norm={given:g} is ignored by {opt.type}, as in DeepSpeed"
+               if given and not opt.spec.MAX_GRAD_NORM_CLIPS else "")
+    if not bounds:
+        return "gradient clipping: off" + ignored
+    bound = min(bounds.values())
+    source = " and ".join(bounds) + (", the smaller wins" if len(bounds) > 1 else "")
+    if opt.spec is OneBitAdam and config.zero_optimization.stage == 0:
+        where = ("inside 1-bit Adam: the averaged gradient during warmup, each rank's local gradient in the "
+                 "compression stage")
+    elif opt.type in ONEBIT_OPTIMIZERS:
+        where = "optax.clip_by_global_norm before the optimizer, on each rank's local gradient"
+    else:
+        where = "optax.clip_by_global_norm on the averaged gradient, before the optimizer"
+    return f"gradient clipping: global norm <= {bound:g} (from {source}); {where}{ignored}"
+
+
 def describe(config: DeepSpeedConfig, dp_size: int, *, steps=None) -> str:
     """A human-readable summary of the resolved config (what ``jonebit config`` prints)."""
     b = config.batch_sizes(dp_size)
@@ -748,16 +776,23 @@ def describe(config: DeepSpeedConfig, dp_size: int, *, steps=None) -> str:
     z = config.zero_optimization
     lines.append(f"zero: stage {z.stage}" + (", optimizer offloaded to host memory" if z.offload_optimizer.enabled
                                               else ""))
-    lines.append(f"gradient clipping: {config.gradient_clipping:g}" if config.gradient_clipping else
-                 "gradient clipping: off")
+    lines.append(_describe_clipping(config))
     if config.optimizer is None:
-        lines.append("optimizer: none (bring your own optax transformation)")
         return "\n".join(lines)
     opt = config.optimizer
-    lines.append(f"optimizer: {opt.type} " + ", ".join(f"{k}={_jsonable(v)}" for k, v in opt.params.items()))
+    # max_grad_norm is on the clipping line, as applied (the 1-bit optimizers accept and ignore it).
+    lines.append(f"optimizer: {opt.type} " + ", ".join(f"{k}={_jsonable(v)}" for k, v in opt.params.items()
+                                                       if k != "max_grad_norm"))
     mapping = opt.options.describe()
     if mapping:
         lines.append(mapping)
+    if opt.spec is OneBitAdam:  # build_optimizer's default for `fused`
+        if config.fp16.enabled and not opt.params["row_scales"]:
+            lines.append("  compression: fused, all parameters in one flat buffer (fp16: DeepSpeed's fp16 optimizer "
+                         "flattens them)")
+        else:
+            why = "row_scales needs one per tensor" if opt.params["row_scales"] else "fp16 off; fp16 fuses"
+            lines.append(f"  compression: per tensor, one compressed allreduce per parameter ({why})")
     sched = build_schedule(config.scheduler, opt)
     name = config.scheduler.type if config.scheduler else "constant"
     lines.append(f"schedule: {name}" + (" " + ", ".join(f"{k}={v}" for k, v in config.scheduler.params.items())

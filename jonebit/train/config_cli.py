@@ -55,9 +55,11 @@ def _run(args) -> int:
             note = f" (data-parallel size {dp} from the three batch sizes)"
         else:
             note = f" (data-parallel size {dp} assumed; set it with --dp-size)"
-        print(f"{rest[0]}: valid DeepSpeed config{note}")
-        print(describe(config, dp, steps=args.steps))
+        # Resolve everything before saying "valid": the batch arithmetic for this dp size can still fail.
+        text = describe(config, dp, steps=args.steps)
     except ConfigError as e:
         print(f"{rest[0]}: invalid DeepSpeed config\n  {e}", file=sys.stderr)
         return 2
+    print(f"{rest[0]}: valid DeepSpeed config{note}")
+    print(text)
     return 0

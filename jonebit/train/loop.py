@@ -46,11 +46,16 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jonebit.train.engine import TrainState
+from jonebit.train.schedules import bad_learning_rate, check_schedule, lr_problem
 from jonebit.transforms.base import last_phase, phase_names
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ArrayBatches", "LoopConfig", "Preempted", "ResumableIterator", "train"]
+__all__ = ["ArrayBatches", "LoopConfig", "Preempted", "RESUME_FIXED", "ResumableIterator", "train"]
+
+# Settings of a ``run_config`` (dotted paths into the DeepSpeed config) that a checkpoint cannot be resumed
+# under when changed: the optimizer state, its partitioning and the loss-scale state were built for them.
+RESUME_FIXED = ("optimizer.type", "zero_optimization.stage", "fp16.enabled", "bf16.enabled")
 
 
 class ResumableIterator(Protocol):
@@ -239,9 +244,11 @@ class _Checkpoints:
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
 
-    def restore(self, step: int, target: TrainState) -> tuple[TrainState, dict]:
+    def restore(self, step: int, target: TrainState, check_meta=None) -> tuple[TrainState, dict]:
         ocp = self.ocp
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        if check_meta is not None:  # before the state: a changed optimizer would only fail as a tree mismatch
+            check_meta(meta)
         saved, current = meta.get("world_size"), _world_size(target, self.mpi)
         if saved != current:
             raise ValueError(
@@ -250,6 +257,7 @@ class _Checkpoints:
                 "the data position are per rank). Restart on the original device count, or restore the parameters "
                 "alone with jonebit.train.checkpoint"
             )
+        self._check_dtypes(step, target)
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(target))))
         except (ValueError, KeyError, TypeError) as e:
@@ -258,11 +266,38 @@ class _Checkpoints:
                 f"state: {e}") from e
         return out["state"], meta
 
+    def _check_dtypes(self, step: int, target: TrainState) -> None:
+        """orbax casts each leaf to the target's dtype without a word (float32 into bfloat16 loses 16 bits of
+        every value): refuse, naming the leaf. Trees that do not match are left to the restore's own error."""
+        try:  # the manager knows the item's handler only after a save in this process: ask the item itself
+            saved = self.ocp.StandardCheckpointer().metadata(self.manager.directory / str(step) / "state")
+        except Exception:  # noqa: BLE001 - no metadata to compare: the restore itself reports what is wrong
+            return
+        saved = getattr(saved, "item_metadata", saved)
+        saved = _dtypes(getattr(saved, "tree", saved))
+        want = _dtypes(target)
+        if saved.keys() != want.keys():
+            return
+        for key, dtype in want.items():
+            if saved[key] != dtype:
+                raise ValueError(
+                    f"checkpoint step {step} in {self.manager.directory}: state leaf {key!r} was saved as "
+                    f"{saved[key]}, this run has {dtype}; resume with the dtypes the run was saved with (e.g. the "
+                    "same fp16/bf16 settings and model dtype)")
+
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
         self.manager.close()
+
+
+def _dtypes(tree) -> dict[str, str]:
+    def name(k):
+        return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+
+    return {"/".join(map(name, kp)): str(getattr(x, "dtype", "?"))
+            for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _stage_bytes(step, state: TrainState, batch) -> dict[str, float]:
@@ -311,6 +346,8 @@ def train(
     resume: bool = True,
     on_log: Callable[[dict], None] | None = None,
     evaluate: Callable[[TrainState], dict] | None = None,
+    run_config: dict | None = None,
+    fixed: tuple[str, ...] = RESUME_FIXED,
 ) -> TrainState:
     """Trains until ``config.max_steps``; returns the final state.
 
@@ -321,10 +358,18 @@ def train(
       batches: a :class:`ResumableIterator` of global batches.
       config: a :class:`LoopConfig`.
       lr_schedule: the learning rate as a function of the optimizer's update count (for the metrics only).
+        Checked before the first step over every update of the run (one vectorised call; a schedule that takes
+        only scalars is checked at each logged step instead): a NaN, infinite or negative learning rate raises
+        ``ValueError`` naming the update and the value.
       resume: continue from the latest checkpoint in ``output_dir/checkpoints`` if there is one.
       on_log: called with each metrics record.
       evaluate: ``evaluate(state) -> {name: float}``, run every ``config.eval_every`` steps and at the end; the
         values are logged as ``eval/<name>``.
+      run_config: the run's settings as a JSON-serialisable dict (e.g. the DeepSpeed config's ``to_dict()``),
+        saved with every checkpoint. Resuming compares it with the checkpoint's: changed settings are printed
+        as a warning naming each key (old -> new); a change of a ``fixed`` key raises ``ValueError`` before
+        anything is restored.
+      fixed: dotted keys of ``run_config`` that cannot change across a resume (default :data:`RESUME_FIXED`).
     """
     if not isinstance(config, LoopConfig):
         raise TypeError(f"config must be a LoopConfig, got {type(config).__name__}")
@@ -334,6 +379,9 @@ def train(
         if not callable(getattr(batches, name, None)):
             raise TypeError(f"batches must be a resumable iterator (with __next__, get_state, set_state); "
                             f"{type(batches).__name__} has no {name}()")
+    if lr_schedule is not None:
+        # Before anything is written: a rate the optimizer would apply silently (a negative one ascends).
+        check_schedule(lr_schedule, config.max_steps, what="train: lr_schedule")
     out = pathlib.Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     mpi = getattr(step, "mpi", None)  # a step built with mpi_comm: this process is one rank of an MPI job
@@ -346,9 +394,19 @@ def train(
     ckpt = _Checkpoints(out / "checkpoints", config, mpi, host_comm)
     lead = jax.process_index() == 0 and (mpi is None or mpi.rank == 0)
 
+    if run_config is not None:
+        try:
+            run_config = json.loads(json.dumps(run_config))  # as it will read back from the checkpoint
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"train: run_config must be JSON-serialisable ({e})") from None
+
+    def check_meta(meta):
+        if run_config is not None and meta.get("run_config") is not None:
+            _compare_run_configs(meta["run_config"], run_config, fixed, out / "checkpoints", lead)
+
     start = 0
     if resume and (latest := ckpt.latest()) is not None:
-        state, meta = ckpt.restore(latest, state)
+        state, meta = ckpt.restore(latest, state, check_meta)
         batches.set_state(meta["data"])
         start = int(meta["step"])
         if lead:  # said, not only logged: it changes the run
@@ -435,7 +493,8 @@ def train(
                 stop["signal"] = signum or None
             if (config.checkpoint_every and n % config.checkpoint_every == 0) or n == config.max_steps \
                     or stop["signal"] is not None:
-                ckpt.save(n, state, {"step": n, "data": batches.get_state(), "world_size": _world_size(state, mpi)})
+                ckpt.save(n, state, {"step": n, "data": batches.get_state(), "world_size": _world_size(state, mpi),
+                                     "run_config": run_config})
             if stop["signal"] is not None:
                 ckpt.wait()
                 raise Preempted(f"stopped by {signal.Signals(stop['signal']).name} after step {n}; checkpoint "
@@ -452,6 +511,38 @@ def train(
         ckpt.close()
         if host_comm is not None:
             host_comm.Free()
+
+
+def _flat(tree, prefix="") -> dict[str, Any]:
+    if not isinstance(tree, dict) or not tree:
+        return {prefix: tree}
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+_ABSENT = "<absent>"
+
+
+def _compare_run_configs(saved: dict, new: dict, fixed, where: pathlib.Path, lead: bool) -> None:
+    """Refuses changed ``fixed`` keys; warns (naming each key) about any other change."""
+    old, cur = _flat(saved), _flat(new)
+    changed = {k: (old.get(k, _ABSENT), cur.get(k, _ABSENT)) for k in sorted(old.keys() | cur.keys())
+               if old.get(k, _ABSENT) != cur.get(k, _ABSENT)}
+    if not changed:
+        return
+    show = lambda ks: ", ".join(f"{k}: {changed[k][0]!r} -> {changed[k][1]!r}" for k in ks)  # noqa: E731
+    blocked = [k for k in changed if any(k == f or k.startswith(f + ".") for f in fixed)]
+    if blocked:
+        raise ValueError(
+            f"cannot resume the run in {where}: its checkpoint was written with other settings that the saved "
+            f"state depends on ({show(blocked)}). Resume with the saved values, or start a new run in another "
+            "output directory")
+    msg = f"resuming the run in {where} with changed settings: {show(changed)}"
+    log.warning(msg)
+    if lead:  # said, not only logged: the rest of the run differs from what the checkpoint's run did
+        print(f"warning: {msg}", flush=True)
 
 
 def _batch_sharding(state: TrainState):
@@ -481,9 +572,12 @@ def _record(n, state, metrics, config, lr_schedule, stage_bytes, examples_per_s,
     # The phase the optimizer's state says its last update ran (1-bit optimizers), else one "full" kind of step.
     stage = "skipped" if skipped else (last_phase(state.opt_state) or "full")
     if callable(lr_schedule):
-        lr = float(lr_schedule(count))
+        lr = float(np.asarray(lr_schedule(count)))
     else:
         lr = float(lr_schedule) if lr_schedule is not None else math.nan
+    if lr_schedule is not None and bad_learning_rate([count], [lr]) is not None:
+        raise ValueError(f"train: step {n}: lr_schedule({count}) = {lr:.6g}: {lr_problem(count, lr)}; fix the "
+                         "schedule (the steps before this one used it as it was)")
     record = {
         "step": n,
         "loss": float(m["loss"]),

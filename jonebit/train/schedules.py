@@ -19,6 +19,11 @@ value. For :func:`warmup_linear_decay_exp` the same holds with bing_bert's ``glo
 The schedules follow DeepSpeed's current ``deepspeed/runtime/lr_schedules.py`` (including ``max(2,
 warmup_num_steps)``, the clamped cosine progress of ``WarmupCosineLR`` and the integer staircase of
 ``OneCycle``).
+
+Every builder evaluates its schedule over the updates where its shape is defined (its warmup, decay or cycle,
+plus a margin) and raises ``ValueError`` naming the first update whose learning rate is NaN, infinite or
+negative: such a rate would be applied silently (a negative one ascends the gradient). :func:`check_schedule`
+does the same for any schedule over a run's length (:func:`jonebit.train.loop.train` calls it).
 """
 
 from __future__ import annotations
@@ -27,10 +32,66 @@ import math
 from collections.abc import Callable
 
 import jax.numpy as jnp
+import numpy as np
 
 Schedule = Callable[[jnp.ndarray], jnp.ndarray]
 
 WARMUP_TYPES = ("log", "linear")
+
+
+def bad_learning_rate(counts, values) -> tuple[int, float] | None:
+    """The first ``(count, lr)`` whose learning rate is NaN, infinite or negative, else ``None``."""
+    values = np.asarray(values, np.float64).reshape(-1)
+    bad = ~np.isfinite(values) | (values < 0)
+    if not bad.any():
+        return None
+    i = int(np.argmax(bad))
+    return int(np.asarray(counts).reshape(-1)[i]), float(values[i])
+
+
+def lr_problem(count: int, lr: float) -> str:
+    """Why ``lr`` at update ``count`` cannot be applied, for error messages."""
+    why = "negative: the update would ascend the gradient" if lr < 0 else "not a finite number"
+    return (f"the learning rate of update {count} (optax count {count}; step {count + 1} when no step was "
+            f"skipped) is {lr:.6g}, {why}")
+
+
+def check_schedule(schedule, num_updates: int, *, what: str = "lr_schedule") -> None:
+    """Raises ``ValueError`` naming the first update in ``[0, num_updates)`` whose learning rate is NaN, infinite
+    or negative.
+
+    ``schedule`` is a constant or ``schedule(count) -> lr``; it is called once on the array of all counts (one
+    vectorised evaluation, as optax schedules allow). A schedule that cannot take an array is not checked here
+    (the loop still checks the value it logs).
+    """
+    if not callable(schedule):
+        found = bad_learning_rate([0], [schedule])
+    else:
+        counts = np.arange(int(num_updates), dtype=np.int32)
+        try:
+            values = np.asarray(schedule(jnp.asarray(counts)))
+        except Exception:  # noqa: BLE001 - a scalar-only schedule: the loop checks each logged value instead
+            return
+        if values.ndim == 0:  # a constant, whatever the count
+            values = np.broadcast_to(values, counts.shape)
+        if values.shape != counts.shape:
+            return
+        found = bad_learning_rate(counts, values)
+    if found is not None:
+        raise ValueError(f"{what}: {lr_problem(*found)}; fix the schedule's parameters (or the function) so that "
+                         "the learning rate stays >= 0")
+
+
+def _validated(schedule: Schedule, horizon: float, name: str, params: str) -> Schedule:
+    """``schedule``, after checking it over ``[0, horizon]`` updates: every count up to 4096, then 4096 samples
+    (each builder's pieces are monotone or periodic with breakpoints inside the horizon)."""
+    horizon = int(min(max(horizon, 1), 2**40))
+    counts = np.unique(np.concatenate([np.arange(min(horizon, 4096) + 1),
+                                       np.linspace(0, horizon, 4097).round().astype(np.int64)]))
+    found = bad_learning_rate(counts, schedule(jnp.asarray(counts, jnp.float32)))
+    if found is not None:
+        raise ValueError(f"{name}: {lr_problem(*found)}; check {params}")
+    return schedule
 
 
 def _check_warmup(warmup_num_steps, warmup_type: str) -> int:
@@ -89,7 +150,7 @@ def warmup_lr(
         gamma = jnp.where(it < 0, 0.0, jnp.where(it < warmup, _warmup_gamma(it, warmup, warmup_type), 1.0))
         return warmup_min_lr + (warmup_max_lr - warmup_min_lr) * gamma
 
-    return schedule
+    return _validated(schedule, warmup + 2, "WarmupLR", "warmup_min_lr and warmup_max_lr")
 
 
 def warmup_decay_lr(
@@ -123,7 +184,7 @@ def warmup_decay_lr(
         gamma = jnp.where(it < 0, 0.0, jnp.where(it < warmup, _warmup_gamma(it, warmup, warmup_type), decay))
         return warmup_min_lr + (warmup_max_lr - warmup_min_lr) * gamma
 
-    return schedule
+    return _validated(schedule, max(total_num_steps, warmup) + 2, "WarmupDecayLR", "warmup_min_lr and warmup_max_lr")
 
 
 def warmup_cosine_lr(
@@ -166,7 +227,8 @@ def warmup_cosine_lr(
         cos = jnp.maximum(0.0, cos_min_ratio + (1.0 - cos_min_ratio) * (1.0 + jnp.cos(jnp.pi * progress)) / 2)
         return base_lr * jnp.where(it < 0, 0.0, jnp.where(it < warmup, warm, cos))
 
-    return schedule
+    return _validated(schedule, max(total_num_steps, warmup) + 2, "WarmupCosineLR",
+                      "the optimizer's lr, warmup_min_ratio and cos_min_ratio")
 
 
 def one_cycle(
@@ -240,7 +302,9 @@ def one_cycle(
             after = jnp.full_like(it, cycle_min_lr)
         return jnp.where(it < total, cycle, after)
 
-    return schedule
+    # The post-cycle decay is monotone: 100 decay intervals past the cycle show its direction.
+    return _validated(schedule, total + 2 + (100 * abs(decay_step_size) if decays else 0), "OneCycle",
+                      "cycle_min_lr, cycle_max_lr and decay_lr_rate")
 
 
 def lr_range_test(
@@ -273,7 +337,9 @@ def lr_range_test(
         rising = lr_range_test_min_lr * (1.0 + lr_range_test_step_rate * interval)
         return jnp.where(it < 0, lr_range_test_min_lr, rising)
 
-    return schedule
+    # Linear in the update: 100 step sizes show where a negative rate takes it below zero.
+    return _validated(schedule, 100 * lr_range_test_step_size, "LRRangeTest",
+                      "lr_range_test_min_lr and lr_range_test_step_rate")
 
 
 def warmup_linear_decay_exp(
@@ -320,4 +386,5 @@ def warmup_linear_decay_exp(
         decay = jnp.exp(math.log(decay_rate) * ((s - warmup_end) / decay_step))
         return learning_rate * jnp.where(s / total_training_steps < warmup_proportion, warm, decay)
 
-    return schedule
+    return _validated(schedule, total_training_steps + 2, "WarmupLinearDecayExp",
+                      "learning_rate, warmup_proportion and decay_rate")

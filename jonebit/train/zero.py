@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -56,7 +57,15 @@ from jonebit.train.onebit_zero import (
     init_onebit_zero,
     uses_onebit,
 )
-from jonebit.train.step import apply_optimizer, gather_shards, local_gradients, local_view, per_device, reduce_scatter
+from jonebit.train.step import (
+    apply_optimizer,
+    gather_shards,
+    keep_if,
+    local_gradients,
+    local_view,
+    per_device,
+    reduce_scatter,
+)
 from jonebit.transforms.onebit_adam import local_abstract_state
 
 P = PartitionSpec
@@ -145,7 +154,7 @@ def make_zero_grads(
     return _grads_fn(loss_fn, mesh, axis, param_specs, grad_specs, batch_spec, reduce_dtype)
 
 
-def _grads_fn(loss_fn, mesh, axis: str, param_specs, grad_specs, batch_spec, reduce_dtype):
+def _grads_fn(loss_fn, mesh, axis: str, param_specs, grad_specs, batch_spec, reduce_dtype, with_norm=False):
     size = mesh.shape[axis]
     batch_spec = P(axis) if batch_spec is None else batch_spec
 
@@ -156,9 +165,28 @@ def _grads_fn(loss_fn, mesh, axis: str, param_specs, grad_specs, batch_spec, red
         grads, losses, _ = local_gradients(loss_fn, local, batch, axis=axis)
         if reduce_dtype is not None:
             grads = jax.tree.map(lambda g: g.astype(reduce_dtype), grads)
-        return reduce_scatter(grads, grad_specs, axis, size), lax.pmean(losses[0], axis)
+        grads = reduce_scatter(grads, grad_specs, axis, size)
+        if not with_norm:
+            return grads, lax.pmean(losses[0], axis)
+        # Squared norm of the reduced gradient: replicated leaves counted once, the shards' sums added over the
+        # ranks (one scalar all-reduce; none at stage 0, whose gradient is replicated).
+        pairs = list(zip(jax.tree.leaves(grads), jax.tree.leaves(grad_specs, is_leaf=_is_spec), strict=True))
+        norm_sq = _norm_sq([g for g, s in pairs if not _splits(s, axis)])
+        sharded = [g for g, s in pairs if _splits(s, axis)]
+        if sharded:
+            norm_sq = norm_sq + lax.psum(_norm_sq(sharded), axis)
+        return grads, lax.pmean(losses[0], axis), norm_sq
 
-    return per_device(body, mesh, in_specs=(param_specs, batch_spec), out_specs=(grad_specs, P()))
+    out_specs = (grad_specs, P(), P()) if with_norm else (grad_specs, P())
+    return per_device(body, mesh, in_specs=(param_specs, batch_spec), out_specs=out_specs)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def _splits(spec: PartitionSpec, axis: str) -> bool:
+    return any(e == axis or (isinstance(e, tuple) and axis in e) for e in spec)
 
 
 def _update_grad_specs(params, shardings: ZeroShardings, mesh):
@@ -199,6 +227,11 @@ def make_zero_step(
       donate: donate params and optimizer state.
 
     The step is one ``jax.jit``; the loss returned is the mean over all devices.
+
+    Non-finite gradients: a step whose gradient holds an inf or a NaN on any rank (or whose global norm
+    overflows float32) is skipped on every rank alike: the parameters and the optimizer state come back bit
+    for bit as they went in (a select on a flag from the gradient's global norm, as the engine does), and the
+    returned loss, computed before the check, shows the bad value. The 1-bit optimizers' path does the same.
     """
     batch_spec = P(shardings.axis) if batch_spec is None else batch_spec
     if uses_onebit(shardings):
@@ -234,6 +267,16 @@ class CheckedStep:
         return getattr(self._jitted, name)
 
 
+def _norm_sq(grads) -> jax.Array:
+    # float32 sums: a float16 gradient squared would overflow at norms the optimizer handles fine.
+    return sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)), jnp.float32(0))
+
+
+def _nonfinite(norm_sq) -> jax.Array:
+    """Skip flag: an inf or NaN anywhere in the gradient makes its squared norm non-finite."""
+    return ~jnp.isfinite(norm_sq)
+
+
 def _make_step(loss_fn, tx, mesh, shardings: ZeroShardings, batch_spec, reduce_dtype, donate: bool):
     axis = shardings.axis
     param_specs = jax.tree.map(_spec, shardings.params)
@@ -243,9 +286,11 @@ def _make_step(loss_fn, tx, mesh, shardings: ZeroShardings, batch_spec, reduce_d
     def step(params, opt_state, batch):
         batch = jax.tree.map(lambda b: jax.sharding.reshard(b, batch_sharding), batch)
         grad_specs = _update_grad_specs(params, shardings, mesh)
-        grads, loss = _grads_fn(loss_fn, mesh, axis, param_specs, grad_specs, batch_spec, reduce_dtype)(params, batch)
+        grads, loss, norm_sq = _grads_fn(loss_fn, mesh, axis, param_specs, grad_specs, batch_spec, reduce_dtype,
+                                         with_norm=True)(params, batch)
         if shardings.offload_optimizer:
             opt_state = jax.device_put(opt_state, state_dev)
+        old_state = opt_state
         if isinstance(opt_state, MasterWeightsState):
             master = opt_state.master
             grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)
@@ -255,8 +300,9 @@ def _make_step(loss_fn, tx, mesh, shardings: ZeroShardings, batch_spec, reduce_d
             opt_state = MasterWeightsState(master=master, inner=inner)
         else:
             new_params, opt_state = apply_optimizer(tx, grads, opt_state, params)
-        new_params = jax.tree.map(jax.sharding.reshard, new_params, shardings.params)
-        opt_state = jax.tree.map(jax.sharding.reshard, opt_state, state_dev)
+        bad = _nonfinite(norm_sq)  # one value for all ranks: the norm was reduced over them
+        new_params = keep_if(bad, params, jax.tree.map(jax.sharding.reshard, new_params, shardings.params))
+        opt_state = keep_if(bad, old_state, jax.tree.map(jax.sharding.reshard, opt_state, state_dev))
         return new_params, opt_state, loss
 
     return jax.jit(
@@ -277,8 +323,11 @@ def _make_onebit_step(loss_fn, tx, mesh, shardings: ZeroShardings, batch_spec, d
     def body(params, opt_state, batch):
         local, tx_params, rewrap = local_view(params, axis)
         grads, losses, _ = local_gradients(loss_fn, local, batch, axis=axis)
-        new, opt_state = apply_optimizer(tx, grads, opt_state, tx_params)
-        return rewrap(new), opt_state, lax.pmean(losses[0], axis)
+        # Each rank holds only its local gradient: one scalar reduction makes the flag the same on every rank.
+        bad = _nonfinite(lax.pmean(_norm_sq(grads), axis))
+        new, new_state = apply_optimizer(tx, grads, opt_state, tx_params)
+        return (keep_if(bad, params, rewrap(new)), keep_if(bad, opt_state, new_state),
+                lax.pmean(losses[0], axis))
 
     mapped = per_device(body, mesh, in_specs=(param_specs, opt_specs, batch_spec),
                         out_specs=(param_specs, opt_specs, P()))

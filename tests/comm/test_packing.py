@@ -44,3 +44,24 @@ def test_bad_inputs():
         unpack_signs(np.zeros(2, np.int32), 8)
     with pytest.raises(ValueError, match="cannot unpack 17"):
         unpack_signs(np.zeros(2, np.uint8), 17)
+
+
+def test_n_must_be_a_static_int():
+    """n sets the output's length: a float or a traced n is refused by name; the same n as a static argument
+    works under jit and matches numpy's unpackbits."""
+    import jax
+
+    from jonebit.comm import padded_size
+
+    packed = np.packbits(np.array([1, 0, 1, 1, 0, 0, 1, 0, 1], bool))
+    with pytest.raises(TypeError, match=r"n must be a static Python int"):
+        jax.jit(unpack_signs)(packed, 9)
+    with pytest.raises(TypeError, match=r"n must be an int \(the number of signs\), got 9\.0"):
+        unpack_signs(packed, 9.0)
+    got = jax.jit(unpack_signs, static_argnums=1)(packed, 9)
+    np.testing.assert_array_equal(np.asarray(got), np.unpackbits(packed)[:9] * 2.0 - 1.0)
+    assert unpack_signs(packed, np.int64(9)).shape == (9,)
+    # padded_size: ints (numpy too) pass, a float is refused instead of truncated.
+    assert padded_size(np.int64(10), 8) == padded_size(10, 8) == 64
+    with pytest.raises(TypeError, match=r"padded_size: n must be an int .* got 10\.7 \(float\)"):
+        padded_size(10.7, 8)

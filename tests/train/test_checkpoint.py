@@ -395,6 +395,11 @@ BAD_INPUTS = {
         lambda t, c, s: checkpoint.restore(c, replace_leaf(s[1], "w", jax.numpy.zeros((12, 10)))),
         checkpoint.CheckpointError,
         r"state leaf 'params/w' was saved with shape \(24, 10\) float32, the target has shape \(12, 10\) float32"),
+    "restore: float32 checkpoint, bfloat16 target": (
+        lambda t, c, s: checkpoint.restore(c, replace_leaf(s[1], "w", s[1]["params"]["w"].astype(jax.numpy.bfloat16))),
+        checkpoint.CheckpointError,
+        r"state leaf 'params/w' was saved as float32, the target has dtype bfloat16; restore into a target of the "
+        r"saved dtype \(float32\) and cast afterwards"),
     "restore: other model, other key": (
         lambda t, c, s: checkpoint.restore(c, {**s[1], "params": {"w": s[1]["params"]["w"], "c": s[1]["params"]["b"]}}),
         checkpoint.CheckpointError,

@@ -768,3 +768,64 @@ def test_cli_refuses_a_bad_config(tmp_path, capsys):
     path.write_text(json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4}))
     assert cli_main(["config", "check", str(path), "--dp-size", "3"]) == 2
     assert "not divisible" in capsys.readouterr().err
+
+
+def test_cli_gives_one_verdict_when_the_dp_size_breaks_the_batch(tmp_path, capsys):
+    """A config valid on its own but not for --world-size: only the error, on stderr, and exit code 2."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 16,
+                                "gradient_accumulation_steps": 2, "optimizer": {"type": "AdamW",
+                                                                                "params": {"lr": 1e-3}}}))
+    rc = cli_main(["config", str(path), "--world-size", "4"])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == ""
+    assert "invalid DeepSpeed config" in captured.err and "x data-parallel size (4) = 128" in captured.err
+    assert cli_main(["config", str(path), "--world-size", "2"]) == 0  # 16 x 2 x 2 = 64
+    assert "valid DeepSpeed config" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("changes, clipping, compression", [
+    # 1-bit Adam at stage 0 clips inside; its max_grad_norm is accepted and ignored (DeepSpeed's behaviour).
+    ({}, "gradient clipping: global norm <= 1 (from gradient_clipping); inside 1-bit Adam: the averaged gradient "
+         "during warmup", "compression: fused, all parameters in one flat buffer"),
+    ({"optimizer.params.max_grad_norm": 0.5}, "; optimizer.params.max_grad_norm=0.5 is ignored by OneBitAdam",
+     "compression: fused"),
+    ({"fp16.enabled": False}, "gradient clipping: global norm <= 1", "compression: per tensor, one compressed "
+                                                                     "allreduce per parameter (fp16 off; fp16 fuses)"),
+    ({"gradient_clipping": 0.0}, "gradient clipping: off", "compression: fused"),
+    ({"optimizer.type": "AdamW", "optimizer.params.max_grad_norm": 0.5, "optimizer.params.freeze_step": ...},
+     "gradient clipping: global norm <= 0.5 (from gradient_clipping and optimizer.params.max_grad_norm, the "
+     "smaller wins); optax.clip_by_global_norm on the averaged gradient", None),
+])
+def test_cli_shows_the_clipping_and_compression_applied(tmp_path, capsys, changes, clipping, compression):
+    raw = json.loads((ROOT / "configs" / "bing_bert_onebit_adam.json").read_text())
+    for key, value in changes.items():
+        raw = edit(raw, key, value)
+    if raw["optimizer"]["type"] == "AdamW":
+        for k in ("cuda_aware", "comm_backend_name"):
+            raw["optimizer"]["params"].pop(k)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(raw))
+    assert cli_main(["config", str(path), "--dp-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert clipping in out
+    assert "max_grad_norm" not in next(ln for ln in out.splitlines() if ln.startswith("optimizer:"))
+    if compression is None:
+        assert "compression:" not in out
+    else:
+        assert compression in out
+    if raw["optimizer"]["type"] == "AdamW":
+        # The reference: the unclipped optimizer on gradients clipped by hand at the bound the line shows.
+        config = load_config(raw)
+        grads = {"w": jnp.arange(4.0) * 10.0}
+        bound = float(clipping.split("<= ")[1].split(" ")[0])
+        tx, bare = build_optimizer(config), build_optimizer(config, clip=False)
+        # Adam's first moment holds the gradient it was given (its first update is scale-invariant).
+        got = jax.tree.leaves(tx.update(grads, tx.init(grads), grads)[1])
+        ref = jax.tree.leaves(bare.update(optax.clip_by_global_norm(bound).update(grads, None)[0],
+                                          bare.init(grads), grads)[1])
+        raw_state = jax.tree.leaves(bare.update(grads, bare.init(grads), grads)[1])
+        assert len(got) == len(ref)
+        for g, r in zip(got, ref, strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6)
+        assert not all(np.allclose(np.asarray(g), np.asarray(r)) for g, r in zip(got, raw_state, strict=True))

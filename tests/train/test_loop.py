@@ -208,3 +208,77 @@ def test_refuses_existing_run_without_resume_and_other_world_size(tmp_path):
                                                        mesh=data_mesh(4))
     with pytest.raises(ValueError, match=r"written by 8 data-parallel ranks, this run has 4"):
         train(step, state, batches, config)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Learning rates the optimizer would apply silently.
+
+def test_negative_or_nan_schedule_is_refused_before_the_first_step(tmp_path):
+    step, state, batches, config = loop_model.make_run(tmp_path, max_steps=6, checkpoint_every=0)
+    decay = optax.linear_schedule(1e-2, -1e-2, 4)  # crosses zero: update 3 has -5e-3
+    with pytest.raises(ValueError, match=r"train: lr_schedule: the learning rate of update 3 \(optax count 3; step 4 "
+                                         r"when no step was skipped\) is -0\.005, negative: the update would "
+                                         r"ascend the gradient"):
+        train(step, state, batches, config, lr_schedule=decay)
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+    with pytest.raises(ValueError, match=r"update 0 .* is nan, not a finite number"):
+        train(step, state, batches, config, lr_schedule=lambda count: float("nan"))
+    assert float(decay(3)) < 0  # the reference: optax's own value at the update named
+
+
+def test_scalar_only_schedule_is_checked_at_the_logged_step(tmp_path):
+    """A schedule that cannot take an array of counts is checked where the loop evaluates it: the message names
+    the step and the value."""
+    step, state, batches, config = loop_model.make_run(tmp_path, max_steps=6, checkpoint_every=0)
+
+    def scalar_only(count):
+        count = int(count)  # raises for an array of counts
+        return 1e-2 if count < 2 else -1e-3
+
+    with pytest.raises(ValueError, match=r"train: step 3: lr_schedule\(2\) = -0\.001: the learning rate of update "
+                                         r"2 .* negative"):
+        train(step, state, batches, config, lr_schedule=scalar_only)
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in records] == [1e-2, 1e-2]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Resuming with another config.
+
+DS = {"train_batch_size": 32, "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-2, "freeze_step": 3}},
+      "zero_optimization": {"stage": 0}}
+
+
+def test_resume_warns_about_changed_keys_and_refuses_fixed_ones(tmp_path, capsys):
+    step, state, batches, config = loop_model.make_run(tmp_path, max_steps=2, checkpoint_every=0)
+    train(step, state, batches, config, run_config=DS)
+    changed = {**DS, "train_batch_size": 64, "optimizer": {"type": "OneBitAdam", "params": {"lr": 2e-2,
+                                                                                            "freeze_step": 3}}}
+    # A fixed key: refused before anything is restored, and the run directory is left as it was.
+    other = {**DS, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    step, state, batches, config = loop_model.make_run(tmp_path, max_steps=4, checkpoint_every=0)
+    with pytest.raises(ValueError, match=r"cannot resume the run in .*checkpoints: .* \(optimizer\.type: "
+                                         r"'OneBitAdam' -> 'AdamW'\)\. Resume with the saved values"):
+        train(step, state, batches, config, run_config=other)
+    # Other keys: a warning that names each of them, then the run continues from step 2.
+    capsys.readouterr()
+    train(step, state, batches, config, run_config=changed)
+    out = capsys.readouterr().out
+    assert ("warning: resuming the run in " in out and "optimizer.params.lr: 0.01 -> 0.02, "
+            "train_batch_size: 32 -> 64" in out)
+    assert "optimizer.type" not in out and "resuming from step 2" in out
+    # The new config is what the new checkpoint holds: resuming with it again says nothing.
+    step, state, batches, config = loop_model.make_run(tmp_path, max_steps=5, checkpoint_every=0)
+    train(step, state, batches, config, run_config=changed)
+    assert "warning" not in capsys.readouterr().out
+
+
+def test_resume_refuses_a_state_of_another_dtype(tmp_path):
+    """orbax would cast the saved float32 parameters into a bfloat16 target without a word."""
+    step, state, batches, config = loop_model.make_run(tmp_path, max_steps=2, checkpoint_every=0)
+    train(step, state, batches, config)
+    step, state, batches, config = loop_model.make_run(tmp_path, max_steps=4, checkpoint_every=0)
+    params = {**state.params, "b1": state.params["b1"].astype(jax.numpy.bfloat16)}
+    with pytest.raises(ValueError, match=r"checkpoint step 2 in .*: state leaf 'params/b1' was saved as float32, "
+                                         r"this run has bfloat16; resume with the dtypes the run was saved with"):
+        train(step, state._replace(params=params), batches, config)

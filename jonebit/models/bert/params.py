@@ -102,14 +102,20 @@ def read_hf_checkpoint(path: str | os.PathLike) -> tuple[BertConfig, dict[str, n
       the config and the tensors by (normalised) PyTorch name, buffers such as ``position_ids`` dropped.
     """
     path = os.fspath(path)
+    if os.path.isfile(path):
+        raise NotADirectoryError(f"HuggingFace checkpoint path {path} is a file; pass the directory that holds "
+                                 f"{CONFIG_NAME} and {WEIGHTS_NAME}")
     if not os.path.isdir(path):
         raise FileNotFoundError(f"HuggingFace checkpoint directory not found: {path}")
     config_file = os.path.join(path, CONFIG_NAME)
     weights_file = os.path.join(path, WEIGHTS_NAME)
-    if not os.path.isfile(config_file):
-        raise FileNotFoundError(f"{CONFIG_NAME} not found in checkpoint directory {path}")
-    if not os.path.isfile(weights_file):
-        raise FileNotFoundError(f"{WEIGHTS_NAME} not found in checkpoint directory {path}")
+    for name, file in ((CONFIG_NAME, config_file), (WEIGHTS_NAME, weights_file)):
+        # "not found" would send the user looking for a file that is there, only as a directory.
+        if os.path.isdir(file):
+            raise IsADirectoryError(f"{file} is a directory, not a file; the checkpoint directory {path} must hold "
+                                    f"{name} as a file (was it unpacked or downloaded into a folder of that name?)")
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"{name} not found in checkpoint directory {path}")
     config = BertConfig.from_json(config_file)
     stnp = _safetensors_numpy()
     try:
