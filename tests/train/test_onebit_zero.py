@@ -136,7 +136,7 @@ def test_bytes_per_stage_from_hlo():
     n = sum(x.size for x in jax.tree.leaves(params0))
     n_pad = padded_size(n, 8)
     compressed = compressed_bytes_per_rank(n, 8)
-    scalars = 2 * 7 / 8 * 4  # one 4-byte all-reduce: the loss pmean
+    scalars = 2 * (2 * 7 / 8 * 4)  # two 4-byte all-reduces: the loss pmean and the non-finite flag's norm
     allreduce = 2 * 7 / 8 * 4 * n  # the fp32 ring allreduce stage 0's warmup sends
     gather = lambda m: 7 / 8 * 4 * m  # noqa: E731
 
