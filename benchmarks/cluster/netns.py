@@ -281,22 +281,30 @@ def _alive(pid: int) -> bool:
 def kill_namespace_processes(netns: str, runner: Runner) -> list[str]:
     """SIGKILLs every process still inside ``netns`` (started there by this cluster's run: a namespace with a
     live process outlives ``ip netns del`` and keeps its veth). Returns errors instead of raising."""
-    try:
-        pids = [int(p) for p in runner(["ip", "netns", "pids", netns]).split()]
-    except Exception as e:  # noqa: BLE001
-        return [] if "No such file" in str(e) or "Cannot open" in str(e) else [str(e)]
-    errors = []
-    for pid in pids:
-        try:
-            os.kill(pid, 9)
-        except ProcessLookupError:
-            pass
-        except OSError as e:
-            errors.append(f"kill {pid} in {netns}: {e}")
+    errors, killed = [], set()
     deadline = time.monotonic() + 5  # a killed process holds the namespace until it has fully exited
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while True:
+        # Scanned again until nothing is left: a process can enter (``ip netns exec``) while we kill the others.
+        try:
+            pids = [int(p) for p in runner(["ip", "netns", "pids", netns]).split()]
+        except Exception as e:  # noqa: BLE001
+            if "No such file" in str(e) or "Cannot open" in str(e):
+                return errors
+            return [*errors, str(e)]
+        live = [pid for pid in pids if _alive(pid)]
+        if not live or time.monotonic() > deadline:
+            return errors + [f"pid {pid} still alive in {netns}" for pid in live]
+        for pid in live:
+            if pid in killed:
+                continue
+            killed.add(pid)
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+            except OSError as e:
+                errors.append(f"kill {pid} in {netns}: {e}")
         time.sleep(0.02)
-    return errors
 
 
 def run_command(argv: Sequence[str], timeout: float = 30) -> str:

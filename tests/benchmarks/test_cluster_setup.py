@@ -471,6 +471,11 @@ def test_real_cluster_shapes_and_counts_bytes():
         elapsed = time.perf_counter() - t0
         after = cluster.counters()
         sleeper = subprocess.Popen(exec_prefix(layout, 0) + ["sleep", "300"])
+        # Inside the namespace before teardown starts (``ip netns exec`` joins it, then becomes ``sleep``).
+        deadline = time.monotonic() + 60  # a hang guard
+        while str(sleeper.pid) not in run_command(["ip", "netns", "pids", layout.netns(0)]).split():
+            assert time.monotonic() < deadline, "the sleeper never entered the namespace"
+            time.sleep(0.02)
     assert got == payload
     assert elapsed >= 0.9 * 8 * payload / rate_bits(rate)
     up0, down1 = after["up"][0] - before["up"][0], after["down"][1] - before["down"][1]
