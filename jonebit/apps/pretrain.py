@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 # run) can leave 1-bit Adam behind for good: +5.7% on one of three seeds, +1.9-2.4% on all three at 40% (BENCHMARKS).
 # bias_correction and per-tensor compression (fused=False) are the settings that converge on small models.
 _DEFAULT_STEPS = 300
+_EVAL_POINTS = 5  # held-out evaluations through the embedded run (the last at its end)
 
 
 def default_configs(max_steps: int, batch_size: int, lr: float = 2e-3) -> dict[str, dict]:
@@ -318,7 +319,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--whole-word-mask", action="store_true", help="mask whole words")
     p.add_argument("--heldout-documents", type=int, default=None,
                    help="documents kept for evaluation (default: 6 of the embedded corpus, 5%% of yours, 2 to 1,000)")
-    p.add_argument("--eval-every", type=int, default=0, help="steps between held-out evaluations (0: at the end)")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help=f"steps between held-out evaluations (0: only at the end; default: {_EVAL_POINTS} points "
+                        "through the embedded run, only at the end with --config)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: at the end)")
     p.add_argument("--data-dir", help="instance cache (default OUTPUT/data)")
     p.add_argument("--overwrite-data", action="store_true", help="rebuild a cache built with other options")
@@ -351,6 +354,8 @@ def main(args) -> int:
             print("jonebit pretrain: --max-steps is required with --config", file=sys.stderr)
             return 2
         args.max_steps = _DEFAULT_STEPS
+    if args.eval_every is None:  # the embedded comparison's figure shows held-out curves, not end points
+        args.eval_every = -(-args.max_steps // _EVAL_POINTS) if embedded else 0
     try:
         if args.heldout_documents is None:
             args.heldout_documents = _default_heldout(args.corpus)

@@ -25,6 +25,10 @@ def test_embedded_default_writes_runs_table_and_curves(run_dir, capsys):
         records = [json.loads(x) for x in (run_dir / name / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in records] == list(range(1, 9))
         assert {"eval/mlm_loss", "eval/mlm_accuracy", "eval/nsp_accuracy"} <= set(records[-1])
+        # The embedded default evaluates at 5 points (every ceil(8 / 5) = 2 steps), so the figure has curves.
+        evaluated = [r["step"] for r in records if "eval/mlm_loss" in r]
+        assert evaluated == [2, 4, 6, 8] and all(np.isfinite(r["eval/mlm_loss"]) for r in records
+                                                  if "eval/mlm_loss" in r)
         assert records[-1]["loss"] < records[0]["loss"]  # it trains
         assert (run_dir / name / "hf" / "model.safetensors").is_file()
     stages = [json.loads(x)["stage"] for x in (run_dir / "onebit_adam" / "metrics.jsonl").read_text().splitlines()]
