@@ -59,13 +59,17 @@ from jonebit.train.onebit_zero import FlatParams, find_onebit_state, onebit_stag
 from jonebit.train.step import (
     RankParams,
     apply_optimizer,
+    axis_dim,
     gather_shards,
     keep_if,
     local_gradients,
     local_view,
+    nonfinite,
+    norm_sq,
     per_device,
     reduce,
     reduce_scatter,
+    sharded_norm_sq,
 )
 from jonebit.train.zero import init_zero
 from jonebit.transforms.base import moves_params_per_rank
@@ -314,23 +318,7 @@ def _compute_dtype(dtype):
     return _COMPUTE_DTYPES[name]
 
 
-def _global_norm_sq(tree) -> jax.Array:
-    return sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree))
 
-
-def _overflow(norm_sq) -> jax.Array:
-    """Whether to skip the step: the squared norm of the gradient, which every rank holds after its one scalar
-    reduction, is not finite exactly when some rank's gradient holds an inf or a nan, or is so large that its
-    square overflows float32 (norm > ~1.8e19; DeepSpeed's overflow check also counts that). Reading it from the
-    norm saves a pass over the gradients and a collective."""
-    return ~jnp.isfinite(norm_sq)
-
-
-def _axis_dim(spec, axis: str) -> int | None:
-    for d, entry in enumerate(spec):
-        if entry == axis or (isinstance(entry, tuple) and axis in entry):
-            return d
-    return None
 
 
 def _spec_tuple(spec) -> tuple:
@@ -494,13 +482,13 @@ def make_train_step(
 
         if grad_reduce == "mean":
             grads = reduce(grads, grad_reduce, axis)
-            norm_sq = _global_norm_sq(grads)
+            grad_norm_sq = norm_sq(grads)
         else:
-            norm_sq = lax.pmean(_global_norm_sq(grads), axis)
+            grad_norm_sq = lax.pmean(norm_sq(grads), axis)
             if mpi is not None:  # the scalars, over the MPI processes too (one collective)
-                norm_sq, losses, auxes = _mpi_scalars(mpi, norm_sq, losses, auxes)
-        grad_norm = jnp.sqrt(norm_sq)
-        overflow = _overflow(norm_sq)
+                grad_norm_sq, losses, auxes = _mpi_scalars(mpi, grad_norm_sq, losses, auxes)
+        grad_norm = jnp.sqrt(grad_norm_sq)
+        overflow = nonfinite(grad_norm_sq)
 
         new, new_opt = apply_optimizer(tx, grads, state.opt_state, tx_params)
         params = keep_if(overflow, state.params, rewrap(new))
@@ -671,7 +659,7 @@ def _zero_step(local_grads, loss_metrics, tx, mesh, specs: TrainState, scaling: 
         """Where this rank's share of the mean gradient lands: the param's shard (stage 3), else the optimizer
         state's layout (stages 1 and 2; at stage 1 a reduce-scatter plus the update's all-gather moves stage 0's
         bytes, see :func:`jonebit.train.zero._update_grad_specs`)."""
-        if _axis_dim(pspec, axis) is not None:
+        if axis_dim(pspec, axis) is not None:
             return pspec
         return leaf_spec(p.shape, mesh, axis, pspec, what="grads")
 
@@ -685,13 +673,8 @@ def _zero_step(local_grads, loss_metrics, tx, mesh, specs: TrainState, scaling: 
             local = gather_shards(params, param_specs, axis, dtype)
             grads, losses, auxes = local_grads(local, step_count, scale, batch)
             grads = reduce_scatter(grads, grad_specs, axis, size)
-            # Squared norm of the mean gradient: shards summed over ranks, replicated leaves counted once.
-            sharded = [g for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(grad_specs, is_leaf=_is_p),
-                                         strict=True) if _axis_dim(s, axis) is not None]
-            whole = [g for g, s in zip(jax.tree.leaves(grads), jax.tree.leaves(grad_specs, is_leaf=_is_p),
-                                       strict=True) if _axis_dim(s, axis) is None]
-            norm_sq = _global_norm_sq(whole) + (lax.psum(_global_norm_sq(sharded), axis) if sharded else 0.0)
-            return grads, loss_metrics(losses, auxes, scale, _overflow(norm_sq), jnp.sqrt(norm_sq))
+            grad_norm_sq = sharded_norm_sq(grads, grad_specs, axis)
+            return grads, loss_metrics(losses, auxes, scale, nonfinite(grad_norm_sq), jnp.sqrt(grad_norm_sq))
 
         grads, metrics = per_device(
             grads_body, mesh, in_specs=(param_specs, P(), P(), P(axis)), out_specs=(grad_specs, P()),
@@ -746,7 +729,3 @@ def _mpi_scalars(mpi, norm_sq, losses, auxes):
     out = mpi.mean(tree)
     aux = jax.tree.map(lambda a: a[None], out["aux"])
     return out["norm_sq"], out["loss"][None], aux
-
-
-def _is_p(x) -> bool:
-    return isinstance(x, P)

@@ -141,7 +141,8 @@ def reduce(grads, how: str | None, axis):
     raise ValueError(f"grad_reduce must be one of {REDUCTIONS}, got {how!r}")
 
 
-def _axis_dim(spec, axis: str) -> int | None:
+def axis_dim(spec, axis: str) -> int | None:
+    """The dimension ``spec`` splits over ``axis`` (alone or in a tuple of axes), or None."""
     for i, entry in enumerate(tuple(spec)):
         if entry == axis or (isinstance(entry, tuple) and axis in entry):
             return i
@@ -152,7 +153,7 @@ def gather_shards(params, param_specs, axis: str, compute_dtype=None):
     """Standard ZeRO-3: every parameter shard all-gathered over ``axis`` (in ``compute_dtype`` when given), each
     leaf typed varying so that its gradient is this device's own."""
     def one(p, spec):
-        d = _axis_dim(spec, axis)
+        d = axis_dim(spec, axis)
         if d is not None:
             p = lax.all_gather(p if compute_dtype is None else p.astype(compute_dtype), axis, axis=d, tiled=True)
         return as_varying(p, axis)
@@ -164,10 +165,34 @@ def reduce_scatter(grads, grad_specs, axis: str, size: int):
     """The mean gradient over ``axis``, each leaf laid out by its spec: scattered where the spec splits ``axis``,
     whole elsewhere."""
     def one(g, spec):
-        d = _axis_dim(spec, axis)
+        d = axis_dim(spec, axis)
         return lax.pmean(g, axis) if d is None else lax.psum_scatter(g, axis, scatter_dimension=d, tiled=True) / size
 
     return jax.tree.map(one, grads, grad_specs)
+
+
+def norm_sq(grads) -> jax.Array:
+    """The squared L2 norm of a gradient tree, summed in float32 (a float16 gradient squared would overflow at
+    norms the optimizer handles fine)."""
+    return sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)), jnp.float32(0))
+
+
+def sharded_norm_sq(grads, grad_specs, axis: str) -> jax.Array:
+    """The squared norm of a gradient laid out by ``grad_specs``: whole leaves counted once, the shards of the
+    split ones summed over ``axis`` (one scalar all-reduce, none when nothing is split)."""
+    pairs = list(zip(jax.tree.leaves(grads), jax.tree.leaves(grad_specs, is_leaf=lambda x: isinstance(x, P)),
+                     strict=True))
+    total = norm_sq([g for g, s in pairs if axis_dim(s, axis) is None])
+    sharded = [g for g, s in pairs if axis_dim(s, axis) is not None]
+    return total + lax.psum(norm_sq(sharded), axis) if sharded else total
+
+
+def nonfinite(grad_norm_sq) -> jax.Array:
+    """Whether to skip the step: the gradient's squared norm, which every rank holds after its one scalar reduction,
+    is not finite exactly when some rank's gradient holds an inf or a NaN, or is so large that its square overflows
+    float32 (norm > ~1.8e19; DeepSpeed's overflow check also counts that). Reading it from the norm saves a pass
+    over the gradients and a collective."""
+    return ~jnp.isfinite(grad_norm_sq)
 
 
 def apply_optimizer(tx: optax.GradientTransformation, grads, opt_state, params):

@@ -35,7 +35,6 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -63,8 +62,11 @@ from jonebit.train.step import (
     keep_if,
     local_gradients,
     local_view,
+    nonfinite,
+    norm_sq,
     per_device,
     reduce_scatter,
+    sharded_norm_sq,
 )
 from jonebit.transforms.onebit_adam import local_abstract_state
 
@@ -168,25 +170,13 @@ def _grads_fn(loss_fn, mesh, axis: str, param_specs, grad_specs, batch_spec, red
         grads = reduce_scatter(grads, grad_specs, axis, size)
         if not with_norm:
             return grads, lax.pmean(losses[0], axis)
-        # Squared norm of the reduced gradient: replicated leaves counted once, the shards' sums added over the
-        # ranks (one scalar all-reduce; none at stage 0, whose gradient is replicated).
-        pairs = list(zip(jax.tree.leaves(grads), jax.tree.leaves(grad_specs, is_leaf=_is_spec), strict=True))
-        norm_sq = _norm_sq([g for g, s in pairs if not _splits(s, axis)])
-        sharded = [g for g, s in pairs if _splits(s, axis)]
-        if sharded:
-            norm_sq = norm_sq + lax.psum(_norm_sq(sharded), axis)
-        return grads, lax.pmean(losses[0], axis), norm_sq
+        # One scalar all-reduce at stages 1-3; none at stage 0, whose reduced gradient is replicated.
+        return grads, lax.pmean(losses[0], axis), sharded_norm_sq(grads, grad_specs, axis)
 
     out_specs = (grad_specs, P(), P()) if with_norm else (grad_specs, P())
     return per_device(body, mesh, in_specs=(param_specs, batch_spec), out_specs=out_specs)
 
 
-def _is_spec(x) -> bool:
-    return isinstance(x, PartitionSpec)
-
-
-def _splits(spec: PartitionSpec, axis: str) -> bool:
-    return any(e == axis or (isinstance(e, tuple) and axis in e) for e in spec)
 
 
 def _update_grad_specs(params, shardings: ZeroShardings, mesh):
@@ -267,14 +257,6 @@ class CheckedStep:
         return getattr(self._jitted, name)
 
 
-def _norm_sq(grads) -> jax.Array:
-    # float32 sums: a float16 gradient squared would overflow at norms the optimizer handles fine.
-    return sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)), jnp.float32(0))
-
-
-def _nonfinite(norm_sq) -> jax.Array:
-    """Skip flag: an inf or NaN anywhere in the gradient makes its squared norm non-finite."""
-    return ~jnp.isfinite(norm_sq)
 
 
 def _make_step(loss_fn, tx, mesh, shardings: ZeroShardings, batch_spec, reduce_dtype, donate: bool):
@@ -286,7 +268,7 @@ def _make_step(loss_fn, tx, mesh, shardings: ZeroShardings, batch_spec, reduce_d
     def step(params, opt_state, batch):
         batch = jax.tree.map(lambda b: jax.sharding.reshard(b, batch_sharding), batch)
         grad_specs = _update_grad_specs(params, shardings, mesh)
-        grads, loss, norm_sq = _grads_fn(loss_fn, mesh, axis, param_specs, grad_specs, batch_spec, reduce_dtype,
+        grads, loss, grad_norm_sq = _grads_fn(loss_fn, mesh, axis, param_specs, grad_specs, batch_spec, reduce_dtype,
                                          with_norm=True)(params, batch)
         if shardings.offload_optimizer:
             opt_state = jax.device_put(opt_state, state_dev)
@@ -300,7 +282,7 @@ def _make_step(loss_fn, tx, mesh, shardings: ZeroShardings, batch_spec, reduce_d
             opt_state = MasterWeightsState(master=master, inner=inner)
         else:
             new_params, opt_state = apply_optimizer(tx, grads, opt_state, params)
-        bad = _nonfinite(norm_sq)  # one value for all ranks: the norm was reduced over them
+        bad = nonfinite(grad_norm_sq)  # one value for all ranks: the norm was reduced over them
         new_params = keep_if(bad, params, jax.tree.map(jax.sharding.reshard, new_params, shardings.params))
         opt_state = keep_if(bad, old_state, jax.tree.map(jax.sharding.reshard, opt_state, state_dev))
         return new_params, opt_state, loss
@@ -324,7 +306,7 @@ def _make_onebit_step(loss_fn, tx, mesh, shardings: ZeroShardings, batch_spec, d
         local, tx_params, rewrap = local_view(params, axis)
         grads, losses, _ = local_gradients(loss_fn, local, batch, axis=axis)
         # Each rank holds only its local gradient: one scalar reduction makes the flag the same on every rank.
-        bad = _nonfinite(lax.pmean(_norm_sq(grads), axis))
+        bad = nonfinite(lax.pmean(norm_sq(grads), axis))
         new, new_state = apply_optimizer(tx, grads, opt_state, tx_params)
         return (keep_if(bad, params, rewrap(new)), keep_if(bad, opt_state, new_state),
                 lax.pmean(losses[0], axis))
