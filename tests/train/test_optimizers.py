@@ -133,6 +133,10 @@ def test_lamb_build_is_optax_lamb_with_a_clamp():
     lamb = O.Lamb(lr=1e-2, weight_decay=0.01, max_coeff=1e30, min_coeff=0.0)
     got = run_optax(lamb.build(1e-2, {}), start, grads)
     want = run_optax(optax.lamb(1e-2, weight_decay=0.01), start, grads)
+    # The two compute each leaf's trust ratio ||p|| / ||u|| from sums of at most N = 15 squares in another order:
+    # each norm's relative error is at most N u (u = 6e-8, float32), the ratio's 2 N u = 1.8e-6. The ratio scales a
+    # step of lr * |u| / ||u|| * ||p|| <= lr * ||p|| (~1e-2 * 2 here), so one step differs by <= 1.8e-6 * 2e-2 =
+    # 3.6e-8 absolute and five by <= 1.8e-7 (plus a few ulps of |p| ~ 1, 1e-5 relative), inside atol 1e-6.
     for k in got:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
