@@ -245,7 +245,7 @@ def _prepare_data(args, out: pathlib.Path):
             tokenizer = load_wordpiece(vocab)
         else:
             print(f"training a {args.vocab_size}-token WordPiece vocabulary on {', '.join(map(str, corpus))}")
-            tokenizer = train_wordpiece(iter_texts(corpus), args.vocab_size)
+            tokenizer = train_wordpiece(iter_texts(corpus), args.vocab_size, progress=True)
             out.mkdir(parents=True, exist_ok=True)
             tokenizer.save_vocab(vocab)
     options = PretrainingOptions(max_seq_length=args.seq_len, max_predictions_per_seq=args.max_predictions,
@@ -253,7 +253,7 @@ def _prepare_data(args, out: pathlib.Path):
                                  heldout_documents=args.heldout_documents, whole_word_mask=args.whole_word_mask)
     data_dir = pathlib.Path(args.data_dir) if args.data_dir else out / "data"
     build_pretraining_data(corpus, tokenizer, data_dir, options, overwrite=args.overwrite_data)
-    return data_dir, vocab
+    return data_dir, vocab, tokenizer
 
 
 def _default_heldout(corpus) -> int:
@@ -359,7 +359,7 @@ def main(args) -> int:
     try:
         if args.heldout_documents is None:
             args.heldout_documents = _default_heldout(args.corpus)
-        data_dir, vocab = _prepare_data(args, out)
+        data_dir, vocab, tokenizer = _prepare_data(args, out)
         if embedded:
             configs = default_configs(args.max_steps, args.batch_size or 64)
         else:
@@ -399,8 +399,10 @@ def main(args) -> int:
         la, lb = a.records[-1].get("eval/mlm_loss"), b.records[-1].get("eval/mlm_loss")
         if la and lb:
             print(f"held-out MLM loss: 1-bit Adam {lb:.3f} vs Adam {la:.3f} ({100 * (lb - la) / la:+.1f}%)")
-    (out / "summary.json").write_text(json.dumps([{"name": r.name, "seconds": r.seconds, "final": r.records[-1]}
-                                                   for r in results], indent=2))
+    summary = {"tokenizer": {"vocab": str(vocab), "vocab_size": tokenizer.vocab_size,
+                             "fingerprint": tokenizer.fingerprint()},
+               "runs": [{"name": r.name, "seconds": r.seconds, "final": r.records[-1]} for r in results]}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return 0
 
 

@@ -110,18 +110,22 @@ def load_wordpiece(vocab_file: str | os.PathLike) -> WordPiece:
     return _wrap(tok)
 
 
-def train_wordpiece(texts: Iterable[str], vocab_size: int, *, min_frequency: int = 2) -> WordPiece:
-    """Trains an uncased WordPiece vocabulary of at most ``vocab_size`` tokens on ``texts``."""
+def train_wordpiece(texts: Iterable[str], vocab_size: int, *, min_frequency: int = 2,
+                    progress: bool = False) -> WordPiece:
+    """Trains an uncased WordPiece vocabulary of at most ``vocab_size`` tokens on ``texts``, deterministically.
+
+    The same texts always give the same vocabulary in the same order (special tokens first, the rest sorted):
+    see :mod:`jonebit.data.wordpiece_training` for the procedure and why ``tokenizers``' own trainer is not used.
+    """
     from tokenizers import BertWordPieceTokenizer
+
+    from jonebit.data.wordpiece_training import count_words, learn_vocabulary
 
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 100:
         raise ValueError(f"vocab_size must be an int >= 100, got {vocab_size!r}")
-    options = dict(lowercase=True, strip_accents=True, clean_text=True, handle_chinese_chars=True)
-    tok = BertWordPieceTokenizer(**options)
-    tok.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=min_frequency,
-                            special_tokens=list(SPECIAL_TOKENS), show_progress=False)
-    # The trainer's threads order tokens of equal count differently from run to run. WordPiece tokenizes by the
-    # longest match, whatever the ids, so a canonical order (the special tokens, then the rest sorted) gives the
-    # same ids, data and training on every run.
-    rest = sorted(t for t in tok.get_vocab() if t not in SPECIAL_TOKENS)
-    return _wrap(BertWordPieceTokenizer({t: i for i, t in enumerate([*SPECIAL_TOKENS, *rest])}, **options))
+    learned = learn_vocabulary(count_words(texts), vocab_size, special_tokens=SPECIAL_TOKENS,
+                               min_frequency=min_frequency, progress=progress)
+    # WordPiece tokenizes by the longest match whatever the ids, so a sorted order loses nothing and names the set.
+    rest = sorted(t for t in learned if t not in SPECIAL_TOKENS)
+    return _wrap(BertWordPieceTokenizer({t: i for i, t in enumerate([*SPECIAL_TOKENS, *rest])}, lowercase=True,
+                                        strip_accents=True, clean_text=True, handle_chinese_chars=True))

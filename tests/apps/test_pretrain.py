@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jonebit.cli import main
+from jonebit.data.tokenization import load_wordpiece
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,10 @@ def test_embedded_default_writes_runs_table_and_curves(run_dir, capsys):
     assert stages == ["warmup"] * 3 + ["compression"] * 5  # freeze at 40% of 8 steps -> 3 (DeepSpeed's 4 - 1)
     assert (run_dir / "curves.png").stat().st_size > 10_000
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert [s["name"] for s in summary] == ["adam", "onebit_adam"]
+    assert [s["name"] for s in summary["runs"]] == ["adam", "onebit_adam"]
+    vocab = load_wordpiece(run_dir / "vocab.txt")
+    assert summary["tokenizer"] == {"vocab": str(run_dir / "vocab.txt"), "vocab_size": vocab.vocab_size,
+                                    "fingerprint": vocab.fingerprint()}
 
 
 def test_hf_export_matches_in_transformers(run_dir):
@@ -149,8 +153,9 @@ def _equations(jaxpr):
                     yield from _equations(sub)
 
 
-def test_a_users_corpus_is_evaluated_by_default(tmp_path, capsys):
-    """``--corpus FILE`` with no --heldout-documents holds out 5% of the documents and reports a held-out loss."""
+def test_a_users_corpus_is_evaluated_by_default(tmp_path, capsys, run_dir):
+    """``--corpus FILE`` with no --heldout-documents holds out 5% of the documents and reports a held-out loss; the
+    same text trains the same vocabulary as the embedded run's (``run_dir``)."""
     from jonebit.apps.pretrain import embedded_corpus
     from jonebit.data.pretraining import read_documents
 
@@ -162,8 +167,10 @@ def test_a_users_corpus_is_evaluated_by_default(tmp_path, capsys):
     held = min(1000, max(2, round(0.05 * n)))
     assert f"holding out the last {held} of {n} documents for evaluation" in capsys.readouterr().out
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    for arm in summary:
+    for arm in summary["runs"]:
         assert np.isfinite(arm["final"]["eval/mlm_loss"]) and arm["final"]["eval/mlm_loss"] > 0
+    embedded = json.loads((run_dir / "summary.json").read_text())
+    assert summary["tokenizer"]["fingerprint"] == embedded["tokenizer"]["fingerprint"]
 
 
 def test_too_small_a_corpus_says_evaluation_is_skipped(tmp_path, capsys):

@@ -274,9 +274,8 @@ def test_bert_uncased_vocab_ids():
 
 
 def test_trained_vocabulary_has_a_canonical_order(tmp_path):
-    """The trainer's threads order equal-count tokens differently from run to run: the ids follow a canonical
-    order instead (special tokens, then the rest sorted), so the same token set always gets the same ids. (The set
-    itself can still differ by a few tokens at the size cutoff, where the trainer breaks ties by hash order.)"""
+    """The ids follow a canonical order (special tokens, then the rest sorted), and encoding agrees with the
+    ``tokenizers`` tokenizer built on them."""
     from jonebit.apps.pretrain import embedded_corpus
     from jonebit.data.pretraining import iter_texts
 
