@@ -9,7 +9,10 @@ it), e.g. ``rank 1 exited with code 4``; the others are stopped (SIGTERM, then S
 ``--grace-period``) and the launcher exits with that process's code (128 + N for signal N). A process counts as
 failed once it has exited: under ``jax.distributed`` leave with ``sys.exit(n)`` or an exception, which
 ``initialize_distributed`` turns into an immediate exit, not ``raise SystemExit(n)``, which waits in jax's
-shutdown barrier (``shutdown_timeout``, 30 s) until the peers abort.
+shutdown barrier (``shutdown_timeout``, 30 s) until the peers abort. Such a rank leaves a note when it starts
+to exit (``JONEBIT_LAUNCH_EXIT_DIR``), so when a peer then fails the launcher names it as the root cause; a peer
+that fails on a timeout while another rank has long been silent names that rank. The log ends with the root cause:
+the other ranks' state, the first failing rank's own last stderr lines, and one ``root cause:`` line.
 
 Lifetime: every process runs in its own process group; SIGINT (Ctrl-C), SIGTERM and SIGHUP sent to the launcher
 are forwarded to every group, so a process's own children get them too (a second signal kills at once). On Linux
@@ -31,9 +34,11 @@ import collections
 import ctypes
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -41,6 +46,7 @@ from typing import TextIO
 
 from jonebit.sharding.mesh import (
     ENV_COORDINATOR,
+    ENV_EXIT_DIR,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
     free_port,
@@ -64,6 +70,8 @@ class _Rank:
     last_output: float | None = None  # time.monotonic() of the last line
     # Its last stderr lines, for the root-cause report when it is the first to fail.
     err_tail: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=ROOT_CAUSE_LINES))
+    # (time.monotonic(), line) of its last lines on either stream: what it was doing before another rank failed.
+    history: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=256))
 
 
 def _pump(stream, sink: TextIO, who: _Rank, lock: threading.Lock, activity: list[float], tail=None) -> None:
@@ -79,6 +87,7 @@ def _pump(stream, sink: TextIO, who: _Rank, lock: threading.Lock, activity: list
                 pass  # our own output is gone (say, piped into ``head``): keep draining so the rank never blocks
             now = time.monotonic()
             who.last_line, who.last_output = line.rstrip("\n"), now
+            who.history.append((now, who.last_line))
             activity[0] = now
             if tail is not None:
                 tail.append(line.rstrip("\n"))
@@ -194,6 +203,8 @@ def launch(
     world = nnodes * nproc
     base = dict(os.environ if env is None else env)
     base["PYTHONUNBUFFERED"] = "1"  # ranks' lines should appear as they are printed, not at exit
+    exit_dir = tempfile.mkdtemp(prefix="jonebit-launch-exits-")
+    base[ENV_EXIT_DIR] = exit_dir
     if devices_per_proc is not None:
         base["JAX_NUM_CPU_DEVICES"] = str(devices_per_proc)
 
@@ -203,7 +214,7 @@ def launch(
     received: list[int] = []
     start = time.monotonic()
     activity = [start]  # when any rank last printed a line
-    first_failure: list[tuple[_Rank, int]] = []
+    first_failure: list[_Failure] = []
 
     def forward(signum, _frame):
         received.append(signum)
@@ -247,7 +258,7 @@ def launch(
                 t.start()
                 pumps.append(t)
         limits = _Limits(start, timeout, no_progress_timeout, activity)
-        return _supervise(ranks, grace_period, received, limits, _Say(stderr, lock), first_failure)
+        return _supervise(ranks, grace_period, received, limits, _Say(stderr, lock), first_failure, exit_dir)
     finally:
         for r in ranks:
             if r.proc.poll() is None:
@@ -256,7 +267,8 @@ def launch(
         for t in pumps:
             t.join(timeout=2)
         if first_failure:  # last, after every rank's output: what a reader sees first at the end of the log
-            _root_cause(*first_failure[0], _Say(stderr, lock))
+            _root_cause(first_failure[0], _Say(stderr, lock))
+        shutil.rmtree(exit_dir, ignore_errors=True)
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
 
@@ -305,16 +317,93 @@ def _running_report(ranks: Sequence[_Rank], now: float) -> list[str]:
     return lines
 
 
-def _root_cause(rank: _Rank, code: int, say) -> None:
-    """Repeats the first failing rank's own last stderr lines at the very end, below the errors of the ranks
-    stopped after it (which fail in their collectives, with long tracebacks that are only consequences)."""
+@dataclasses.dataclass
+class _Failure:
+    rank: _Rank
+    code: int
+    suspect: str | None  # a rank whose earlier behaviour likely caused this failure, in words
+    others: list[str]  # each other rank's state when the failure was seen
+
+
+# Errors of a rank that timed out waiting for its peers (jax's coordination service, Gloo, NCCL).
+_TIMEOUT_WORDS = ("DEADLINE_EXCEEDED", "timed out", "Timeout", "heartbeat")
+_SECONDARY_WINDOW = 1.0  # s: lines printed this close to the failure are likely its consequences, not the cause
+_SILENT_SUSPECT = 10.0  # s: a peer silent this long before a timeout is named as the one that may have hung
+
+
+def _read_exit_notes(exit_dir: str | None) -> dict[int, float]:
+    """``rank -> time.monotonic()`` when that rank began a normal-looking exit (see ``ENV_EXIT_DIR``)."""
+    notes = {}
+    if not exit_dir or not os.path.isdir(exit_dir):
+        return notes
+    offset = time.time() - time.monotonic()
+    for name in os.listdir(exit_dir):
+        if name.startswith("rank") and name[4:].isdigit():
+            try:
+                with open(os.path.join(exit_dir, name)) as f:
+                    notes[int(name[4:])] = float(f.read()) - offset
+            except (OSError, ValueError):
+                pass
+    return notes
+
+
+def _failure(ranks: Sequence[_Rank], failed: _Rank, code: int, exit_dir: str | None) -> _Failure:
+    """What the other ranks were doing when ``failed`` failed, and which of them most likely caused it: one that
+    began to exit while its peers still ran (it waits in jax's shutdown barrier, so its exit is seen last), or,
+    when the failure is a timeout, one that had gone silent long before."""
+    now = time.monotonic()
+    notes = _read_exit_notes(exit_dir)
+    others, suspect, silent_longest = [], None, None
+    for r in ranks:
+        if r is failed:
+            continue
+        before = [(t, line) for t, line in r.history if t < now - _SECONDARY_WINDOW]
+        last = f"last line {now - before[-1][0]:.1f}s before: {before[-1][1][:200]!r}" if before else "no output"
+        state = "still running" if r.proc.poll() is None else _describe(r.proc.returncode)
+        if r.rank in notes and notes[r.rank] < now:
+            others.append(f"  rank {r.rank}: began to exit {now - notes[r.rank]:.1f}s before, {state}; {last}")
+            if suspect is None or notes[r.rank] < suspect[0]:
+                suspect = (notes[r.rank], r.rank)
+        else:
+            others.append(f"  rank {r.rank}: {state}; {last}")
+            silence = now - before[-1][0] if before else now - 0.0
+            if r.proc.poll() is None and (silent_longest is None or silence > silent_longest[0]):
+                silent_longest = (silence, r.rank, before[-1][1][:200] if before else None)
+    if suspect is not None:
+        t, who = suspect
+        words = (f"rank {who} began to exit {now - t:.1f}s before rank {failed.rank} failed, while its peers still "
+                 f"ran, and waited in jax's shutdown barrier: rank {failed.rank}'s failure most likely follows from "
+                 f"it. A rank that leaves early (its own code is not visible: `raise SystemExit(n)` instead of "
+                 f"`sys.exit(n)`, or a normal end on that rank only) leaves its peers waiting in a collective.")
+        return _Failure(failed, code, words, others)
+    timed_out = any(w in line for line in failed.err_tail for w in _TIMEOUT_WORDS)
+    if timed_out and silent_longest is not None and silent_longest[0] >= _SILENT_SUSPECT:
+        silence, who, line = silent_longest
+        said = f" (its last line: {line!r})" if line is not None else ""
+        words = (f"rank {failed.rank} failed on a timeout, and rank {who} had printed nothing for {silence:.1f}s"
+                 f"{said}: rank {who} may be the one that stopped answering.")
+        return _Failure(failed, code, words, others)
+    return _Failure(failed, code, None, others)
+
+
+def _root_cause(failure: _Failure, say) -> None:
+    """At the very end, below the errors of the ranks stopped after it (which fail in their collectives, with long
+    tracebacks that are only consequences): the other ranks' state when it failed, the first failing rank's own
+    last stderr lines, and one line naming the root cause (another rank where one can be named)."""
+    rank = failure.rank
+    if failure.others:
+        say(f"the other ranks when rank {rank.rank} failed:", *failure.others)
     lines = [f"  {line}" for line in rank.err_tail] or ["  (nothing on stderr)"]
-    say(f"root cause: rank {rank.rank} {_describe(code)}, the first to fail; errors printed by the ranks stopped "
+    say(f"rank {rank.rank} {_describe(failure.code)}, the first to fail; errors printed by the ranks stopped "
         f"after it are secondary. Its last {len(rank.err_tail)} lines on stderr:", *lines)
+    if failure.suspect:
+        say(f"root cause: {failure.suspect}")
+    else:
+        say(f"root cause: rank {rank.rank} {_describe(failure.code)} (its error above)")
 
 
 def _supervise(ranks: Sequence[_Rank], grace_period: float, received: list[int], limits: _Limits, say,
-               first_failure: list | None = None) -> int:
+               first_failure: list | None = None, exit_dir: str | None = None) -> int:
     """Waits for all processes; on the first failure, signal or expired limit stops the rest and returns the
     job's code (the first failing rank and its code go to ``first_failure``)."""
     signalled_at = None
@@ -338,8 +427,11 @@ def _supervise(ranks: Sequence[_Rank], grace_period: float, received: list[int],
             r, code = failed[0]
             others = [o.rank for o, c in zip(ranks, codes, strict=True) if c is None]
             say(f"rank {r.rank} {_describe(code)}" + (f"; stopping ranks {others}" if others else ""))
+            failure = _failure(ranks, r, code, exit_dir)
+            if failure.suspect:
+                say(failure.suspect)
             if first_failure is not None:
-                first_failure.append((r, code))
+                first_failure.append(failure)
             _stop(ranks, grace_period)
             return code if code > 0 else 128 + (-code)
         if all(c == 0 for c in codes):

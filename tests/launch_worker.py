@@ -72,7 +72,8 @@ def main() -> None:
             print(f"{i:5d} " + "x" * 80, flush=True)
         write_pid(directory, f"done{RANK}", os.getpid())
     elif mode == "jax":
-        # ARGS: "exit N" | "hang". Rank 1 leaves with sys.exit(N), or hangs, once rank 0 waits in a psum.
+        # ARGS: "exit N" | "raise N" | "hang". Rank 1 leaves with sys.exit(N) or raise SystemExit(N), or hangs,
+        # once rank 0 waits in a psum.
         # A line after each slow startup step: --no-progress-timeout counts from the launch.
         print("importing jax", flush=True)
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -96,6 +97,8 @@ def main() -> None:
                 print("hanging", flush=True)
                 sleep_forever()
             print(f"exiting at {time.time():.3f}", flush=True)
+            if args[0] == "raise":  # not through sys.exit: the exit code is not seen before jax's shutdown
+                raise SystemExit(int(args[1]))
             sys.exit(int(args[1]))
         # The global shape is given, so building the array needs nothing from rank 1.
         x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), np.ones(1, np.float32), (2,))

@@ -192,12 +192,14 @@ def test_failing_rank_stops_the_job(mode, code, message):
     assert rc == code, (out[-2000:], err[-3000:])
     assert f"jonebit launch: {message}" in err, err[-3000:]
     assert seconds < 150, seconds  # a hang guard: never jax's 300 s shutdown timeout
-    # The end of the log names the root cause, below rank 0's secondary errors from its interrupted collective.
-    block = err.splitlines()[-13:]  # the header and at most 12 of the rank's own stderr lines
-    assert any(line.startswith(f"jonebit launch: root cause: rank 1 exited with code {code}, the first to fail")
-               for line in block), err[-3000:]
+    # The end of the log names the root cause, below rank 0's secondary errors from its interrupted collective:
+    # rank 1's own stderr lines, then one line.
+    lines = err.splitlines()
+    assert lines[-1] == f"jonebit launch: root cause: rank 1 exited with code {code} (its error above)", lines[-14:]
+    assert any(line.startswith(f"jonebit launch: rank 1 exited with code {code}, the first to fail")
+               for line in lines[-14:]), lines[-14:]
     if mode == "raise-before-collective":
-        assert any("RuntimeError: rank 1 fails on purpose" in line for line in err.splitlines()[-8:]), block
+        assert any("RuntimeError: rank 1 fails on purpose" in line for line in lines[-8:]), lines[-14:]
 
 
 def test_signal_is_forwarded_and_children_end():
@@ -354,6 +356,31 @@ def test_jax_rank_exit_code_is_named_at_once(job_dir):
     assert "jonebit launch: rank 1 exited with code 4; stopping ranks [0]" in run.text("err")
     assert "[rank 0] entering psum" in run.text("out")
     # Not after jax's 30 s shutdown barrier: that path would name rank 0 killed by SIGABRT (checked above).
+    assert still_alive_after(read_pids(job_dir, ["rank0.pid", "rank1.pid"]), str(job_dir), 2) == []
+
+
+@linux_only
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("how", ["raise", "hang"])
+def test_the_rank_that_left_or_hung_is_named_not_its_peer(job_dir, how):
+    """Rank 1 leaves with ``raise SystemExit(4)`` (its code is not visible before jax's shutdown barrier, so it
+    waits there) or hangs, while rank 0 waits for it in a psum; rank 0 is the first process to fail (jax's 30 s
+    collective timeout). The launcher still names rank 1 as the root cause, on the last line."""
+    args = ["raise", "4"] if how == "raise" else ["hang"]
+    run = Run("--nproc", "2", "--devices-per-proc", "1", "--grace-period", "1", "--",
+              PY, LAUNCH_WORKER, "jax", job_dir, *args)
+    assert run.wait(timeout=150) == 1, run.text("err")[-3000:]  # rank 0's own code: rank 1's is not known
+    lines = run.text("err").splitlines()
+    assert "jonebit launch: rank 0 exited with code 1; stopping ranks [1]" in lines
+    if how == "raise":
+        assert re.fullmatch(r"jonebit launch: root cause: rank 1 began to exit \d+\.\ds before rank 0 failed, .*"
+                            r"waited in jax's shutdown barrier.*", lines[-1]), lines[-14:]
+    else:
+        assert re.fullmatch(r"jonebit launch: root cause: rank 0 failed on a timeout, and rank 1 had printed "
+                            r"nothing for \d+\.\ds \(its last line: 'hanging'\): rank 1 may be the one that "
+                            r"stopped answering\.", lines[-1]), lines[-14:]
+    assert any(re.fullmatch(r"jonebit launch: {3}rank 1: .*still running; last line \d+\.\ds before: "
+                            r"'(exiting at .*|hanging)'", line) for line in lines), lines[-16:]
     assert still_alive_after(read_pids(job_dir, ["rank0.pid", "rank1.pid"]), str(job_dir), 2) == []
 
 

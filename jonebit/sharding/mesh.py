@@ -22,6 +22,7 @@ import os
 import re
 import socket
 import sys
+import time
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -32,6 +33,9 @@ ENV_NUM_PROCESSES = "JONEBIT_NUM_PROCESSES"
 ENV_PROCESS_ID = "JONEBIT_PROCESS_ID"
 ENV_LOCAL_DEVICE_IDS = "JONEBIT_LOCAL_DEVICE_IDS"
 ENV_COORDINATOR_PORT = "JONEBIT_COORDINATOR_PORT"  # port only (SLURM/MPI: host is derived)
+# Set by ``jonebit launch``: a process that starts to exit with no known failure writes ``rank{R}`` there (the time),
+# so the launcher can name a rank that left early, waiting in jax's shutdown barrier, when its peers then fail.
+ENV_EXIT_DIR = "JONEBIT_LAUNCH_EXIT_DIR"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,20 +267,22 @@ def initialize_distributed(
         shutdown_timeout_seconds=int(shutdown_timeout),
     )
     if fail_fast:
-        _install_fail_fast_hook()
+        _install_fail_fast_hook(cfg.process_id)
     return cfg
 
 
 _failure_code: list[int] = []
 
 
-def _install_fail_fast_hook() -> None:
+def _install_fail_fast_hook(process_id: int) -> None:
     """On an uncaught exception or ``sys.exit(nonzero)``, leave at once after Python's own clean-up.
 
     A failed rank would otherwise sit in jax's shutdown barrier waiting for peers that are themselves stuck
     waiting for it in a collective (until ``shutdown_timeout``); ending it right away lets the launcher (or
     mpirun / srun) see the real failure and its code, and stop the rest. ``finally`` blocks and context
-    managers still run: only the barrier is skipped. Successful exits are untouched.
+    managers still run: only the barrier is skipped. Successful exits are untouched, except that under
+    ``jonebit launch`` they leave a note of when they began (``raise SystemExit(n)`` looks like one: its code is not
+    visible before the barrier).
     """
     if getattr(sys.excepthook, "_jonebit_fail_fast", False):
         return
@@ -297,6 +303,12 @@ def _install_fail_fast_hook() -> None:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(_failure_code[-1])
+        exit_dir = os.environ.get(ENV_EXIT_DIR)
+        if exit_dir and os.path.isdir(exit_dir):
+            tmp = os.path.join(exit_dir, f".rank{process_id}.tmp")
+            with open(tmp, "w") as f:
+                f.write(repr(time.time()))
+            os.replace(tmp, os.path.join(exit_dir, f"rank{process_id}"))  # never read half-written
 
     excepthook._jonebit_fail_fast = True
     sys.excepthook, sys.exit = excepthook, exit_
