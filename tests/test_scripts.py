@@ -36,9 +36,12 @@ def test_pretrain_script_trains_with_a_deepspeed_config_and_resumes(tmp_path):
             "--seq-len", "32", "--batch-size", "16", "--output", str(tmp_path / "run")]
     first = _run([*argv, "--max-steps", "4"], tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
+    config.write_text(config.read_text().replace('"lr": 0.001', '"lr": 0.0005'))
     second = _run([*argv, "--max-steps", "6"], tmp_path)  # continues from the checkpoint written at the end
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"resuming from step 4 of {tmp_path / 'run' / 'checkpoints'}" in second.stdout
+    # Said, with the key and both values: the rest of the run differs from what the checkpoint's run did.
+    assert "with changed settings: optimizer.params.lr: 0.001 -> 0.0005" in second.stdout, second.stdout[-2000:]
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     # DeepSpeed's freeze_step 3 -> 2 warmup updates, then compression, also after the resume.

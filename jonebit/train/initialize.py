@@ -114,6 +114,9 @@ class Engine:
     def train(self, batches: ResumableIterator, loop: LoopConfig, **kw) -> TrainState:
         """Runs :func:`jonebit.train.loop.train` from ``self.state``; keeps the final state.
 
+        Unless ``run_config`` is given, the DeepSpeed config is the run's config that each checkpoint keeps: a
+        resumed run warns about each changed key and refuses a changed optimizer type, ZeRO stage or precision.
+
         Under MPI, ``batches`` yields this process's slice of each global batch, e.g.
         ``ArrayBatches(arrays, engine.batch.train_batch_size, shard=(engine.process_index, engine.process_count))``.
         """
@@ -125,6 +128,8 @@ class Engine:
                 f"{self.process_index} of {self.process_count} and must read only its slice of each global batch; "
                 "pass shard=(engine.process_index, engine.process_count)")
         kw.setdefault("lr_schedule", self.learning_rate)
+        # Saved with each checkpoint, so a resume says which settings changed and refuses those the state needs.
+        kw.setdefault("run_config", self.config.to_dict())
         self.state = train(self.step, self.state, batches, loop, **kw)
         return self.state
 
