@@ -1,5 +1,9 @@
 """Cost of one optimizer step: 1-bit Adam in its compression stage vs optax.adamw + fp32 mean allreduce.
 
+1-bit Adam runs as jonebit's step builders run it (a program compiled for the compression phase alone, picked on
+the host) and as one program holding every phase (``per_phase=False``: what a user's own ``jit`` of the transform
+compiles).
+
 Same tree, same devices, same process; the two steps are timed alternately and the ratio of medians is
 reported (the machine is shared, so only side-by-side ratios mean something). On CPU-simulated devices
 the collectives are memory copies, so this measures the compute overhead of compression (sign packing,
@@ -24,13 +28,13 @@ from jonebit import onebit_adam
 from jonebit.train.data_parallel import data_mesh, init_optimizer, make_update, replicate, shard_batch
 
 
-def build(tx, shapes, mesh, grad_reduce, rng):
+def build(tx, shapes, mesh, grad_reduce, rng, per_phase=True):
     params = replicate(jax.tree.map(lambda s: rng.standard_normal(s, np.float32) * 0.02, shapes,
                                     is_leaf=lambda x: isinstance(x, tuple)), mesh)
     state, specs = init_optimizer(tx, params, mesh)
     grads = shard_batch(jax.tree.map(lambda s: rng.standard_normal((mesh.size, *s), np.float32), shapes,
                                      is_leaf=lambda x: isinstance(x, tuple)), mesh)
-    update = make_update(tx, mesh, specs, grad_reduce=grad_reduce)
+    update = make_update(tx, mesh, specs, grad_reduce=grad_reduce, per_phase=per_phase)
     return update, params, state, grads
 
 
@@ -47,6 +51,11 @@ def main():
         "1-bit Adam (compression stage)": build(onebit_adam(1e-4, freeze_step=1, fused=True), shapes, mesh, None, rng),
         "1-bit Adam per-leaf (compression stage)":
             build(onebit_adam(1e-4, freeze_step=1, fused=False), shapes, mesh, None, rng),
+        # The same two, in the one program that holds every phase (switched on the device, as a user's jit has it).
+        "1-bit Adam, one program (compression stage)":
+            build(onebit_adam(1e-4, freeze_step=1, fused=True), shapes, mesh, None, rng, per_phase=False),
+        "1-bit Adam per-leaf, one program (compression stage)":
+            build(onebit_adam(1e-4, freeze_step=1, fused=False), shapes, mesh, None, rng, per_phase=False),
         "optax.adamw + fp32 mean allreduce": build(optax.adamw(1e-4), shapes, mesh, "mean", rng),
     }
     state = {k: (p, s) for k, (_, p, s, _) in runs.items()}

@@ -272,7 +272,10 @@ class Runner:
                 start = jax.tree.map(lambda x: jax.make_array_from_process_local_data(
                     sharding, np.broadcast_to(np.asarray(x), (rows, *np.shape(x)))), params)
             else:
-                step = make_step(loss_fn, tx, mesh, specs, grad_reduce=variant.grad_reduce, axis=variant.axis)
+                # One program with every phase: the worker enters each stage by setting the state, and reads every
+                # stage's collectives from the one compiled program's branches.
+                step = make_step(loss_fn, tx, mesh, specs, grad_reduce=variant.grad_reduce, axis=variant.axis,
+                                 per_phase=False)
                 start = replicate(params, mesh)
             self.batch = {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local_batch.items()}
         self.initial = start, state

@@ -25,6 +25,7 @@ from jonebit.sharding.mesh import check_batch, data_mesh, hierarchical_mesh
 from jonebit.sharding.zero import place_copy
 from jonebit.train.step import REDUCTIONS, apply_optimizer, local_gradients, local_view, per_device, reduce
 from jonebit.transforms.onebit_adam import sharded_init
+from jonebit.transforms.phases import PhasePrograms, fixed_phases
 
 __all__ = ["data_mesh", "hierarchical_mesh", "init_optimizer", "make_step", "make_update", "replicate",
            "shard_batch"]
@@ -115,6 +116,7 @@ def make_step(
     axis: Axis = "data",
     grad_reduce: str | None = None,
     donate: bool = True,
+    per_phase: bool = True,
 ):
     """Builds ``step(params, opt_state, batch) -> (params, opt_state, loss)``, jitted.
 
@@ -126,6 +128,9 @@ def make_step(
       opt_specs: specs of the optimizer state (from :func:`init_optimizer`).
       grad_reduce: ``None`` (local gradients to ``tx``), ``"mean"`` (fp32 allreduce) or ``"mean_bf16"``.
       donate: donate params and optimizer state buffers.
+      per_phase: compile one program per phase of a 1-bit optimizer and pick it on the host before each step
+        (:mod:`jonebit.transforms.phases`: no conditional in the program; one small device-to-host read per step).
+        ``False``: one program with every phase, switched on the device.
 
     The returned loss is the mean over all ranks.
     """
@@ -143,19 +148,24 @@ def make_step(
 
     mapped = per_device(body, mesh, in_specs=(P(), opt_specs, spec), out_specs=(P(), opt_specs, P()))
 
-    def step(params, opt_state, batch):
-        check_batch(batch, mesh, spec, where="make_step's step")  # shapes are static: checked while tracing
-        return mapped(params, opt_state, batch)
+    def build(phases):
+        def step(params, opt_state, batch):
+            check_batch(batch, mesh, spec, where="make_step's step")  # shapes are static: checked while tracing
+            with fixed_phases(phases):
+                return mapped(params, opt_state, batch)
 
-    return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+        return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+
+    return PhasePrograms(build) if per_phase else build(None)
 
 
 def make_update(tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, opt_specs, *, axis: Axis = "data",
-                grad_reduce: str | None = None):
+                grad_reduce: str | None = None, per_phase: bool = True):
     """The optimizer step alone, ``update(params, opt_state, local_grads)``, with grads stacked per rank.
 
     ``local_grads`` leaves have a leading axis of the mesh size (rank ``r``'s gradient in row ``r``). Used by
-    the benchmarks and the communication accounting, where no model is needed.
+    the benchmarks and the communication accounting, where no model is needed. ``per_phase`` as in
+    :func:`make_step`.
     """
     if grad_reduce not in _REDUCE:
         raise ValueError(f"grad_reduce must be one of {_REDUCE}, got {grad_reduce!r}")
@@ -169,8 +179,12 @@ def make_update(tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, opt_s
 
     mapped = per_device(body, mesh, in_specs=(P(), opt_specs, spec), out_specs=(P(), opt_specs))
 
-    def update(params, opt_state, local_grads):
-        _check_grads(local_grads, params, size)
-        return mapped(params, opt_state, local_grads)
+    def build(phases):
+        def update(params, opt_state, local_grads):
+            _check_grads(local_grads, params, size)
+            with fixed_phases(phases):
+                return mapped(params, opt_state, local_grads)
 
-    return jax.jit(update, donate_argnums=(0, 1))
+        return jax.jit(update, donate_argnums=(0, 1))
+
+    return PhasePrograms(build) if per_phase else build(None)

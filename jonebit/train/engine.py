@@ -74,6 +74,7 @@ from jonebit.train.step import (
 from jonebit.train.zero import init_zero
 from jonebit.transforms.base import moves_params_per_rank
 from jonebit.transforms.onebit_adam import local_abstract_state, sharded_init
+from jonebit.transforms.phases import fixed_phases, next_phases
 
 __all__ = [
     "LossScaleState",
@@ -372,6 +373,7 @@ def make_train_step(
     zero_stage: int = 0,
     offload_optimizer: bool = False,
     mpi_comm: Any = None,
+    per_phase: bool = True,
 ):
     """Builds ``step(state, batch) -> (state, metrics)``, jitted.
 
@@ -403,6 +405,9 @@ def make_train_step(
         step's scalars (loss, aux, and the squared gradient norm, whose finiteness decides the skip) are then
         also averaged over the MPI processes, in one small MPI collective, so metrics are global and every
         rank skips together; ``batch`` is this process's slice of the global batch.
+      per_phase: compile one program per phase of a 1-bit optimizer, picked on the host before each step from
+        the phase the state says comes next (:mod:`jonebit.transforms.phases`); ``False``: one program with
+        every phase, switched on the device.
 
     Returns:
       ``step(state, batch)``: ``batch`` is the global batch (leaves with a leading dimension of
@@ -514,32 +519,49 @@ def make_train_step(
     )
     state_dev = jax.tree.map(lambda s: s.with_memory_kind("device"), state_shardings.opt_state)
     donated = (0,) if donate else ()
-    keep_state = None
 
     if stage == 0:
         # Under MPI the mesh is one device and the transform's collectives are mpi4jax's, outside jax's
         # varying-axis types (with one rank its mean is the identity, which leaves the update "varying").
-        mapped = per_device(body, mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()), check_vma=mpi is None)
-        jitted = jax.jit(mapped, donate_argnums=donated)
-        # The same step with the optimizer state passed apart and not donated (see ``compiled``).
-        keep_state = jax.jit(lambda rest, opt_state, batch: mapped(rest._replace(opt_state=opt_state), batch),
-                             donate_argnums=(0,)) if donate else None
+        fn = per_device(body, mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()), check_vma=mpi is None)
+        jit_kw = dict(donate_argnums=donated)
     elif onebit is not None:
         mapped = per_device(body, mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()))
 
-        def onebit_zero_step(state: TrainState, batch):
+        def fn(state: TrainState, batch):
             if offload_optimizer:
                 state = state._replace(opt_state=jax.device_put(state.opt_state, state_dev))
             return mapped(state, batch)
 
-        jitted = jax.jit(onebit_zero_step, in_shardings=(state_shardings, batch_sharding),
-                         out_shardings=(state_shardings, replicated), donate_argnums=donated)
+        jit_kw = dict(in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, replicated),
+                      donate_argnums=donated)
     else:
-        jitted = jax.jit(
-            _zero_step(local_grads, loss_metrics, tx, mesh, specs, scaling, dtype, axis, state_dev,
-                       state_shardings, offload_optimizer),
-            in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, replicated),
-            donate_argnums=donated)
+        fn = _zero_step(local_grads, loss_metrics, tx, mesh, specs, scaling, dtype, axis, state_dev,
+                        state_shardings, offload_optimizer)
+        jit_kw = dict(in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, replicated),
+                      donate_argnums=donated)
+
+    programs: dict = {}
+
+    def jitted_for(phases):
+        """``(jitted, keep_state)`` for the phases (``None``: every phase in one program), built once each: a jit
+        object traces once per shape, so each phase needs its own."""
+        if phases not in programs:
+            def traced(state: TrainState, batch):
+                with fixed_phases(phases):
+                    return fn(state, batch)
+
+            # At stage 0 also the same step with the optimizer state passed apart and not donated (``compiled``).
+            keep = jax.jit(lambda rest, opt_state, batch: traced(rest._replace(opt_state=opt_state), batch),
+                           donate_argnums=(0,)) if stage == 0 and donate else None
+            programs[phases] = jax.jit(traced, **jit_kw), keep
+        return programs[phases]
+
+    def phases_of(state: TrainState):
+        """The phases the next update runs (read from the state), or None for the one program with every phase."""
+        return next_phases(state.opt_state) if per_phase else None
+
+    jitted = jitted_for(None)[0]
 
     def step(state: TrainState, batch):
         for path, x in jax.tree_util.tree_leaves_with_path(batch):
@@ -551,7 +573,7 @@ def make_train_step(
                 )
         batch = jax.device_put(batch, batch_sharding)
         if mpi is not None:  # mpi4jax's ordered effects thread a token that only jit's own dispatch supplies
-            return jitted(state, batch)
+            return jitted_for(phases_of(state))[0](state, batch)
         return compiled(state, batch)(state, batch)
 
     cache: dict = {}
@@ -583,11 +605,13 @@ def make_train_step(
         donated: nearly the same peak memory (the copies were that large) without the copying. Other programs
         keep the donation (1-bit optimizers: only their step count is copied).
         """
-        key = jax.tree.structure((state, batch)), tuple(
+        phases = phases_of(state)
+        key = phases, jax.tree.structure((state, batch)), tuple(
             (np.shape(x), str(getattr(x, "dtype", type(x)))) for x in jax.tree.leaves((state, batch)))
         if key not in cache:
             check_layout(state)
             batch = jax.device_put(batch, batch_sharding)
+            jitted, keep_state = jitted_for(phases)
             program = jitted.lower(state, batch).compile()
             if keep_state is not None:
                 # The program's parameters are the leaves of (state, batch) in order; TrainState's fields put
@@ -638,6 +662,7 @@ def make_train_step(
 
     step.jitted = jitted
     step.compiled = compiled
+    step.phases_of = phases_of
     step.mpi = mpi  # the loop reads the MPI rank and world size from it
     # The loop's bytes_sent reads the compiled programs. Not counted (NaN): mpi4jax's traffic, which is not in
     # them, and 0/1 Adam's, whose nested phases (variance, 1-bit, local, sync) the per-stage report does not

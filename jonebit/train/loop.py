@@ -309,7 +309,7 @@ def _stage_bytes(step, state: TrainState, batch) -> dict[str, float]:
         return {}
     mesh = jax.tree.leaves(state.params)[0].sharding.mesh
     report = comm_report(compiled(state, batch).as_text(), mesh.size)
-    # The engine's own collectives run every step; the skip conditional's apply branch holds the optimizer's.
+    # The engine's own collectives run every step; the optimizer's phases are the branches of its update.
     base = report.always_bytes
     out = {"skipped": base, "full": base}
     tx_report = getattr(step, "tx_report", None)
@@ -317,7 +317,13 @@ def _stage_bytes(step, state: TrainState, batch) -> dict[str, float]:
         tx_report = tx_report(state)
         names = phase_names(state.opt_state)
         if names is not None and tx_report.branches:
-            out.update({name: base + sent for name, sent in tx_report.phase_bytes(names).items()})
+            by_phase = tx_report.phase_bytes(names)
+            # A program compiled for one phase (``per_phase``) holds that phase's collectives unconditionally.
+            running = step.phases_of(state) if hasattr(step, "phases_of") else None
+            if running is not None and len(running) == 1:
+                base -= by_phase[running[0][1]]
+                out["skipped"] = out["full"] = base
+            out.update({name: base + sent for name, sent in by_phase.items()})
         out["full"] = base + tx_report.always_bytes
     return out
 

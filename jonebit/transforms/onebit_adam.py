@@ -43,7 +43,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jonebit.comm.backends import Backend, as_varying
@@ -84,6 +83,7 @@ from jonebit.transforms.base import (
     where_seen,
 )
 from jonebit.transforms.onebit_adam_zero import OneBitAdamZeroState, step_scalars, zero_state_specs
+from jonebit.transforms.phases import run_phase
 
 WHO = "onebit_adam"
 #: The phases of an update, by the index ``state.phase`` holds.
@@ -102,6 +102,8 @@ class OneBitAdamState(NamedTuple):
         ``fused=True``: one array ``(1, padded_size(N, P))``; ``fused=False``: a tree like the params.
       server_error: this rank's server error, ``(1, padded_size(n, P) // P)``, same layout as ``worker_error``.
       phase: the phase the last update ran, an index into :data:`PHASES` (int32).
+      next_phase: the phase the next update runs (int32), by the same rule: jonebit's step builders read it to
+        run a program compiled for that phase alone (:mod:`jonebit.transforms.phases`).
       freeze_at: with ``freeze_step="auto"``: the number of warmup updates (int32), the cap until the rule fires and
         then the update it fired on (kept, so a resumed run continues the decision); ``None`` with an int
         ``freeze_step``.
@@ -115,6 +117,7 @@ class OneBitAdamState(NamedTuple):
     worker_error: Any
     server_error: Any
     phase: jax.Array
+    next_phase: Any = None
     freeze_at: Any = None
     variance_norms: Any = None
     calm_checks: Any = None
@@ -397,9 +400,11 @@ def onebit_adam(
             auto = dict(freeze_at=jnp.full([], rule.max_step, jnp.int32),
                         variance_norms=jax.tree.map(lambda p: jnp.zeros([], jnp.float32), params),
                         calm_checks=jnp.zeros([], jnp.int32))
+        count = jnp.zeros([], jnp.int32)
+        first = _phase_at(hp, count, auto["freeze_at"] if rule is not None else hp.freeze_step)
         return OneBitAdamState(
-            count=jnp.zeros([], jnp.int32), mu=zeros, nu=jax.tree.map(jnp.copy, zeros),
-            worker_error=worker, server_error=server, phase=jnp.zeros([], jnp.int32), **auto,
+            count=count, mu=zeros, nu=jax.tree.map(jnp.copy, zeros), worker_error=worker, server_error=server,
+            phase=jnp.zeros([], jnp.int32), next_phase=first, **auto,
         )
 
     def update_fn(grads, state, params=None):
@@ -489,6 +494,14 @@ def _compression(hp: _Hyper, backend, grads, state, errors, decision, mask, cloc
     return (mu, state.nu, we, se, *decision)
 
 
+def _phase_at(hp: _Hyper, count, limit) -> jax.Array:
+    """The phase of the update after ``count`` updates (int32), with ``limit`` warmup updates."""
+    phase = jnp.where(count < limit, WARMUP, COMPRESSION)
+    if hp.opts.variance_refresh is not None:
+        phase = jnp.where((phase == COMPRESSION) & hp.opts.is_refresh(count, limit), REFRESH, phase)
+    return phase.astype(jnp.int32)
+
+
 def _update(hp: _Hyper, backend, grads, state: OneBitAdamState, params, mask):
     errors = state.worker_error, state.server_error
     for axis in mesh_axes(backend):
@@ -502,13 +515,12 @@ def _update(hp: _Hyper, backend, grads, state: OneBitAdamState, params, mask):
     # refresh); step_scalars takes it as the point where the correction stops. During warmup the update is before
     # the clock, so the correction follows the update whatever the (auto) freeze point decides.
     clock = hp.opts.variance_clock(count, limit)
-    phase = jnp.where(count < limit, WARMUP, COMPRESSION)
     args = (hp, backend, grads, state, errors, decision)
     branches = [lambda _: _warmup(*args), lambda _: _compression(*args, mask, clock)]
     if hp.opts.variance_refresh is not None:
-        phase = jnp.where((phase == COMPRESSION) & hp.opts.is_refresh(count, limit), REFRESH, phase)
         branches.append(lambda _: _refresh(*args))
-    mu, nu, worker_error, server_error, *decision = lax.switch(phase, branches, None)
+    (mu, nu, worker_error, server_error, *decision), phase = run_phase(
+        OneBitAdamState, _phase_at(hp, count, limit), branches)
     c1, c2, lr = step_scalars(count, b1=hp.b1, b2=hp.b2, freeze_step=clock, bias_correction=hp.bias_correction,
                               learning_rate=hp.learning_rate)
 
@@ -520,9 +532,11 @@ def _update(hp: _Hyper, backend, grads, state: OneBitAdamState, params, mask):
 
     ps = params if params is not None else grads
     updates = jax.tree.map(lambda m, v, p: (-lr * direction(m, v, p)).astype(p.dtype), mu, nu, ps)
+    new_count = optax.safe_int32_increment(count)
     new_state = OneBitAdamState(
-        count=optax.safe_int32_increment(count), mu=mu, nu=nu, worker_error=worker_error,
-        server_error=server_error, phase=phase.astype(jnp.int32),
+        count=new_count, mu=mu, nu=nu, worker_error=worker_error, server_error=server_error,
+        phase=phase.astype(jnp.int32), next_phase=_phase_at(hp, new_count, decision[0] if hp.rule is not None
+                                                            else hp.freeze_step),
         **(dict(zip(("freeze_at", "variance_norms", "calm_checks"), decision, strict=True))
            if hp.rule is not None else {}),
     )
@@ -542,7 +556,7 @@ def onebit_adam_specs(node: OneBitAdamState, axis_name) -> OneBitAdamState:
     rep = lambda t: jax.tree.map(lambda _: P(), t)  # noqa: E731
     return OneBitAdamState(
         count=P(), mu=rep(node.mu), nu=rep(node.nu), worker_error=rows(node.worker_error),
-        server_error=rows(node.server_error), phase=P(), freeze_at=rep(node.freeze_at),
+        server_error=rows(node.server_error), phase=P(), next_phase=rep(node.next_phase), freeze_at=rep(node.freeze_at),
         variance_norms=rep(node.variance_norms), calm_checks=rep(node.calm_checks),
     )
 

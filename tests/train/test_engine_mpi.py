@@ -48,6 +48,21 @@ def step_results(request, tmp_path_factory):
     return world, opt, [dict(np.load(outdir / f"step-{opt}-rank{r}.npz")) for r in range(world)]
 
 
+def _same_run(got, want, key):
+    """The MPI engine and the jax engine compile different programs (mpi4jax's calls against XLA's collectives),
+    so the compiler may order or contract the same float32 operations differently: each may round differently by
+    1 ulp (6e-8 relative). Over 6 steps of ~20 operations per element that stays below 1e-5 relative. A 1-bit step
+    can turn such a difference into a flipped sign where the compensated value was within rounding of 0, which
+    moves that element by two scales: allowed for at most 1% of a tensor's elements (none has happened here; the
+    bound is what the computation guarantees, not what one run showed). Flags and counts are exact."""
+    got, want = np.asarray(got), np.asarray(want)
+    if got.dtype == np.bool_ or np.issubdtype(got.dtype, np.integer):
+        np.testing.assert_array_equal(got, want, err_msg=key)
+        return
+    off = ~np.isclose(got, want, rtol=1e-5, atol=1e-7, equal_nan=True)  # the NaN step's loss on both
+    assert np.mean(off) <= 0.01, (key, got, want)
+
+
 def test_mpi_engine_equals_jax_engine(step_results):
     world, opt, ranks = step_results
     refs = reference(world, opt)
@@ -55,12 +70,12 @@ def test_mpi_engine_equals_jax_engine(step_results):
     for r, got in enumerate(ranks):
         assert set(got) == set(refs[r])
         for key, want in refs[r].items():
-            np.testing.assert_array_equal(got[key], want, err_msg=f"rank {r} {key}")
+            _same_run(got[key], want, f"rank {r} {key}")
     last = f"params/{C.STEPS - 1}/w1"
     if opt == "ZeroOneAdam":  # the run ends in a local step: each rank's own copy
         assert world == 1 or not np.array_equal(ranks[0][last], ranks[1][last])
         return
-    # Every rank ends (and is at every step) bit-identical.
+    # Every rank of the MPI run (one program) ends, and is at every step, bit-identical.
     for got in ranks[1:]:
         for key in refs[0]:
             np.testing.assert_array_equal(got[key], ranks[0][key], err_msg=key)

@@ -142,8 +142,9 @@ CASES = {
 # The optimizer's own state: the first node of one of these types in the state tree (optax.chain nests them).
 STATE_TYPES = ("OneBitAdamState", "OneBitAdamZeroState", "ZeroOneAdamState", "OneBitLambState")
 NOT_RECORDED = ("skipped", "stage")  # counters that a wrapper may own instead; the layout's static stage
-# Fields added since the recording (layout, not arithmetic): the index of the phase the last update ran.
-ADDED = ("state/phase",)
+# Fields added since the recording (layout, not arithmetic): the index of the phase the last update ran, and of
+# the phase the next one runs.
+ADDED = ("state/phase", "state/next_phase")
 
 
 def optimizer_fields(state) -> dict[str, np.ndarray]:

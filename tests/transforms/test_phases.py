@@ -1,0 +1,113 @@
+"""One program per phase (jonebit.transforms.phases): the host picks the phase the state names, the program holds
+no conditional, and it computes what the one-program form's branch computes."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import jonebit
+from jonebit.experimental import OneBitAdamOptions
+from jonebit.sharding.mesh import data_mesh
+from jonebit.train.data_parallel import init_optimizer, make_update, replicate, shard_batch
+from jonebit.train.engine import init_train_state, make_train_step
+from jonebit.train.loop import ArrayBatches, LoopConfig, train
+from jonebit.transforms.onebit_adam import PHASES, OneBitAdamState
+from jonebit.transforms.phases import next_phases
+from tests.train import loop_model
+
+N = 4
+
+
+def _params():
+    r = np.random.default_rng(0)
+    return {"w": r.normal(size=(37, 5)).astype(np.float32), "b": r.normal(size=(11,)).astype(np.float32)}
+
+
+def _grads(step):
+    """Rank r's gradient in row r, on the mesh."""
+    r = np.random.default_rng(100 + step)
+    return shard_batch(jax.tree.map(lambda p: r.normal(size=(N, *p.shape)).astype(np.float32), _params()),
+                       data_mesh(N))
+
+
+def _run(per_phase, steps=7):
+    mesh = data_mesh(N)
+    # freeze 2, a variance refresh every 3rd compressed update: warmup, warmup, compression, compression,
+    # refresh, compression, compression.
+    tx = jonebit.onebit_adam(1e-2, freeze_step=2, experimental=OneBitAdamOptions(variance_refresh=3))
+    params = replicate(_params(), mesh)
+    state, specs = init_optimizer(tx, params, mesh)
+    update = make_update(tx, mesh, specs, per_phase=per_phase)
+    trail = []
+    for t in range(steps):
+        params, state = update(params, state, _grads(t))
+        trail.append((PHASES[int(state.phase)], jax.device_get(params), jax.device_get(state.mu)))
+    return update, trail
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return _run(True), _run(False)
+
+
+def test_the_host_runs_the_phase_the_state_names(runs):
+    (update, trail), (_, generic) = runs
+    expected = ["warmup", "warmup", "compression", "compression", "refresh", "compression", "compression"]
+    assert [p for p, *_ in trail] == [p for p, *_ in generic] == expected
+    assert update.phases == [((OneBitAdamState, name),) for name in ("warmup", "compression", "refresh")]
+
+
+def test_a_phase_program_has_no_conditional():
+    mesh = data_mesh(N)
+    tx = jonebit.onebit_adam(1e-2, freeze_step=1)
+    params = replicate(_params(), mesh)
+    state, specs = init_optimizer(tx, params, mesh)
+    generic = make_update(tx, mesh, specs, per_phase=False).lower(params, state, _grads(0)).compile().as_text()
+    assert " conditional(" in generic
+    update = make_update(tx, mesh, specs)
+    for phase in ("warmup", "compression"):
+        assert next_phases(state) == ((OneBitAdamState, phase),)
+        program = update.program(params, state, _grads(0))
+        assert " conditional(" not in program.lower(params, state, _grads(0)).compile().as_text()
+        params, state = update(params, state, _grads(0))
+
+
+def test_each_phase_computes_what_the_branch_computes(runs):
+    """The two forms are different programs, so they may sum in different orders. Warmup and the refresh are
+    float Adam: each step is ~10 elementwise operations per element plus a 4-way mean, each of which may round
+    differently by 1 ulp (contraction into FMA, summation order), so after at most 7 steps the parameters agree
+    within ~100 ulp of their scale (rtol 1e-5). A compressed step is compared by what a sign flip cannot break:
+    the momentum's magnitudes (one scale per chunk) agree to the same tolerance, and signs flip only where the
+    compensated value was within rounding of 0, a few elements at most."""
+    (_, trail), (_, generic) = runs
+    for (phase, p1, m1), (_, p2, m2) in zip(trail, generic, strict=True):
+        if phase != "compression":
+            for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+            continue
+        for a, b in zip(jax.tree.leaves(m1), jax.tree.leaves(m2), strict=True):
+            np.testing.assert_allclose(np.abs(a), np.abs(b), rtol=1e-5, atol=1e-7)
+            assert np.mean(np.sign(a) != np.sign(b)) <= 0.01
+
+
+def test_the_engine_reports_the_same_stages_and_bytes_in_both_forms(tmp_path):
+    """The loop's per-stage bytes come from the compiled programs: a phase's own program holds its collectives
+    outside any conditional, which the accounting must not count twice."""
+    mesh = data_mesh()
+    records = {}
+    for per_phase in (True, False):
+        tx = jonebit.onebit_adam(1e-2, freeze_step=loop_model.FREEZE, fused=True)
+        state, specs = init_train_state(tx, loop_model.params0(), mesh)
+        step = make_train_step(loop_model.loss_fn, tx, mesh, specs, rng_seed=3, per_phase=per_phase)
+        out = tmp_path / str(per_phase)
+        train(step, state, ArrayBatches(loop_model.data(), batch_size=mesh.size * 4, seed=11),
+              LoopConfig(output_dir=out, max_steps=5, progress_bar=False, steps_per_print=0, tensorboard=False))
+        records[per_phase] = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    fast, one = records[True], records[False]
+    assert [r["stage"] for r in fast] == [r["stage"] for r in one] == ["warmup"] * 3 + ["compression"] * 2
+    assert [r["bytes_sent"] for r in fast] == [r["bytes_sent"] for r in one]
+    assert fast[0]["bytes_sent"] > fast[-1]["bytes_sent"] > 0  # fp32 mean vs packed signs
