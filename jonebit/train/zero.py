@@ -69,6 +69,7 @@ from jonebit.train.step import (
     sharded_norm_sq,
 )
 from jonebit.transforms.onebit_adam import local_abstract_state
+from jonebit.transforms.phases import PhasePrograms, fixed_phases
 
 P = PartitionSpec
 
@@ -203,6 +204,7 @@ def make_zero_step(
     batch_spec: PartitionSpec | None = None,
     reduce_dtype=None,
     donate: bool = True,
+    per_phase: bool = True,
 ):
     """Builds ``step(params, opt_state, batch) -> (params, opt_state, loss)`` for ``shardings``' ZeRO stage.
 
@@ -215,6 +217,8 @@ def make_zero_step(
         must be divisible by the devices of its axes (checked, with the leaf named, when the step is traced).
       reduce_dtype: dtype for the gradient reduction (default: the gradients' own).
       donate: donate params and optimizer state.
+      per_phase: with 1-bit Adam, one program per phase, picked on the host before each step
+        (:mod:`jonebit.transforms.phases`); ``False``: one program with every phase.
 
     The step is one ``jax.jit``; the loss returned is the mean over all devices.
 
@@ -227,7 +231,7 @@ def make_zero_step(
     if uses_onebit(shardings):
         if reduce_dtype is not None:
             raise ValueError("make_zero_step: the 1-bit optimizers do their own communication; drop reduce_dtype")
-        step = _make_onebit_step(loss_fn, tx, mesh, shardings, batch_spec, donate)
+        step = _make_onebit_step(loss_fn, tx, mesh, shardings, batch_spec, donate, per_phase)
     else:
         step = _make_step(loss_fn, tx, mesh, shardings, batch_spec, reduce_dtype, donate)
     return CheckedStep(step, lambda batch: check_batch(batch, mesh, batch_spec, where="make_zero_step's step"))
@@ -295,7 +299,7 @@ def _make_step(loss_fn, tx, mesh, shardings: ZeroShardings, batch_spec, reduce_d
     )
 
 
-def _make_onebit_step(loss_fn, tx, mesh, shardings: ZeroShardings, batch_spec, donate: bool):
+def _make_onebit_step(loss_fn, tx, mesh, shardings: ZeroShardings, batch_spec, donate: bool, per_phase: bool):
     """A 1-bit optimizer under ZeRO: the whole step in the per-device view, local gradients to ``tx``."""
     axis = shardings.axis
     spec_of = lambda s: s.spec  # noqa: E731
@@ -316,18 +320,22 @@ def _make_onebit_step(loss_fn, tx, mesh, shardings: ZeroShardings, batch_spec, d
     state_dev = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings.opt_state)
     batch_sharding = NamedSharding(mesh, batch_spec)
 
-    def step(params, opt_state, batch):
-        batch = jax.tree.map(lambda b: jax.sharding.reshard(b, batch_sharding), batch)
-        if shardings.offload_optimizer:
-            opt_state = jax.device_put(opt_state, state_dev)
-        return mapped(params, opt_state, batch)
+    def build(phases):
+        def step(params, opt_state, batch):
+            batch = jax.tree.map(lambda b: jax.sharding.reshard(b, batch_sharding), batch)
+            if shardings.offload_optimizer:
+                opt_state = jax.device_put(opt_state, state_dev)
+            with fixed_phases(phases):
+                return mapped(params, opt_state, batch)
 
-    return jax.jit(
-        step,
-        in_shardings=(shardings.params, shardings.opt_state, batch_sharding),
-        out_shardings=(shardings.params, shardings.opt_state, NamedSharding(mesh, P())),
-        donate_argnums=(0, 1) if donate else (),
-    )
+        return jax.jit(
+            step,
+            in_shardings=(shardings.params, shardings.opt_state, batch_sharding),
+            out_shardings=(shardings.params, shardings.opt_state, NamedSharding(mesh, P())),
+            donate_argnums=(0, 1) if donate else (),
+        )
+
+    return PhasePrograms(build) if per_phase else build(None)
 
 
 def abstract_zero(tx, params, mesh, *, stage: int, axis: str = "data", offload_optimizer: bool = False,

@@ -60,6 +60,7 @@ from jonebit.transforms.base import (
     mask_leaves,
     normalise_mask,
 )
+from jonebit.transforms.phases import run_phase
 
 ZERO_STAGES = (1, 2, 3)
 #: The phases of an update, by the index ``state.phase`` holds.
@@ -158,6 +159,8 @@ class OneBitAdamZeroState:
       worker_error: ``(1, N_g)`` float32, this rank's worker error.
       server_error: ``(1, C_g)`` float32, this rank's server error.
       phase: the phase the last update ran, an index into :data:`PHASES` (int32).
+      next_phase: the phase the next update runs (int32), which jonebit's step builders read to run a program
+        compiled for that phase alone (:mod:`jonebit.transforms.phases`).
       stage: the ZeRO stage (static).
     """
 
@@ -169,6 +172,7 @@ class OneBitAdamZeroState:
     worker_error: tuple
     server_error: tuple
     phase: jax.Array
+    next_phase: Any = None
     stage: int = dataclasses.field(default=1, metadata=dict(static=True))
 
     PHASES = PHASES
@@ -179,11 +183,18 @@ def zero_state_specs(state: OneBitAdamZeroState, axis_name: str) -> OneBitAdamZe
     rep = lambda t: tuple(P() for _ in t)  # noqa: E731
     return OneBitAdamZeroState(
         count=P(), mu=rows(state.mu), nu=rows(state.nu), nu_full=rep(state.nu_full), m_rows=rep(state.m_rows),
-        worker_error=rows(state.worker_error), server_error=rows(state.server_error), phase=P(), stage=state.stage,
+        worker_error=rows(state.worker_error), server_error=rows(state.server_error), phase=P(),
+        next_phase=None if state.next_phase is None else P(), stage=state.stage,
     )
 
 
-def init_zero_state(layout: FlatLayout, stage: int) -> OneBitAdamZeroState:
+def phase_at(count, freeze_step: int) -> jax.Array:
+    """The phase of the update after ``count`` updates, an index into :data:`PHASES` (int32)."""
+    return jnp.where(count < freeze_step, WARMUP,
+                     jnp.where(count == freeze_step, FIRST_COMPRESSION, COMPRESSION)).astype(jnp.int32)
+
+
+def init_zero_state(layout: FlatLayout, stage: int, freeze_step: int | None = None) -> OneBitAdamZeroState:
     p = layout.world_size
     n = len(layout.groups)
     z = lambda *shape: jnp.zeros(shape, jnp.float32)  # noqa: E731
@@ -196,6 +207,7 @@ def init_zero_state(layout: FlatLayout, stage: int) -> OneBitAdamZeroState:
         worker_error=tuple(z(1, layout.padded(g)) for g in range(n)),
         server_error=tuple(z(1, layout.chunk(g)) for g in range(n)),
         phase=jnp.zeros([], jnp.int32),
+        next_phase=None if freeze_step is None else phase_at(jnp.zeros([], jnp.int32), freeze_step),
         stage=stage,
     )
 
@@ -317,14 +329,15 @@ def zero_update(
 
         return branch
 
-    phase = jnp.where(count < freeze_step, WARMUP, jnp.where(count == freeze_step, FIRST_COMPRESSION, COMPRESSION))
-    updates, (mu, nu, nu_full, m_rows, we, se) = lax.switch(
-        phase, (warmup, compression(True), compression(False)), None)
+    (updates, (mu, nu, nu_full, m_rows, we, se)), phase = run_phase(
+        OneBitAdamZeroState, phase_at(count, freeze_step), (warmup, compression(True), compression(False)))
     if stage == 3:
         updates = tuple(u.astype(c.dtype) for u, c in zip(updates, params, strict=True))
+    new_count = optax.safe_int32_increment(count)
     new_state = OneBitAdamZeroState(
-        count=optax.safe_int32_increment(count), mu=mu, nu=nu, nu_full=nu_full, m_rows=m_rows, worker_error=we,
-        server_error=se, phase=phase.astype(jnp.int32), stage=stage,
+        count=new_count, mu=mu, nu=nu, nu_full=nu_full, m_rows=m_rows, worker_error=we, server_error=se,
+        phase=phase.astype(jnp.int32),
+        next_phase=None if state.next_phase is None else phase_at(new_count, freeze_step), stage=stage,
     )
     return updates, new_state
 
@@ -434,7 +447,7 @@ def onebit_adam_zero(
         layout = FlatLayout.of(params, backend_of().size, fused)
         if stage == 3:
             check_flat_dtypes(layout)
-        return init_zero_state(layout, stage)
+        return init_zero_state(layout, stage, freeze_step)
 
     def update_fn(grads, state, params=None):
         if params is None:

@@ -59,7 +59,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jonebit.comm.backends import get_backend
@@ -67,6 +66,7 @@ from jonebit.comm.compressed import padded_size
 from jonebit.sharding.zero import register_per_rank_state
 from jonebit.transforms import base
 from jonebit.transforms.base import ScalarOrSchedule
+from jonebit.transforms.phases import run_phase
 
 _WHO = "onebit_lamb"
 
@@ -91,6 +91,8 @@ class OneBitLambState(NamedTuple):
         fixed freeze_step).
       calm_checks: consecutive calm checks of the automatic rule.
       phase: the phase the last update ran, an index into ``PHASES`` (int32).
+      next_phase: the phase the next update runs (int32), which jonebit's step builders read to run a program
+        compiled for that phase alone (:mod:`jonebit.transforms.phases`).
     """
 
     count: jax.Array
@@ -107,6 +109,7 @@ class OneBitLambState(NamedTuple):
     variance_norms: Any
     calm_checks: jax.Array
     phase: jax.Array
+    next_phase: Any = None
 
     PHASES = ("warmup", "compression")
 
@@ -212,6 +215,7 @@ def onebit_lamb(
             padding=jnp.zeros(padded_size(n, backend.size) - n, jnp.float32),
             worker_error=worker, server_error=server, freeze_at=jnp.full([], freeze_step, jnp.int32),
             variance_norms=scalars(0.0), calm_checks=jnp.zeros([], jnp.int32), phase=jnp.zeros([], jnp.int32),
+            next_phase=_phase_at(jnp.zeros([], jnp.int32), jnp.full([], freeze_step, jnp.int32)),
         )
 
     def update_fn(grads, state, params=None):
@@ -298,17 +302,23 @@ def onebit_lamb(
             return (updates, m, state.nu, v_fresh, state.lamb_coeff_freeze, last, scaling, padding, we1, se1,
                     state.freeze_at, state.variance_norms, state.calm_checks)
 
-        phase = jnp.where(count < state.freeze_at, 0, 1)  # an index into OneBitLambState.PHASES
-        (updates, mu, nu, nu_fresh, frozen, last, scaling, padding, we, se, freeze_at, norms, calm) = lax.switch(
-            phase, (warmup, compression), None)
+        (updates, mu, nu, nu_fresh, frozen, last, scaling, padding, we, se, freeze_at, norms, calm), phase = (
+            run_phase(OneBitLambState, _phase_at(count, state.freeze_at), (warmup, compression)))
         updates = jax.tree.map(lambda d, p: d.astype(p.dtype), updates, params)
+        new_count = optax.safe_int32_increment(count)
         return updates, OneBitLambState(
-            count=optax.safe_int32_increment(count), mu=mu, nu=nu, nu_fresh=nu_fresh, lamb_coeff_freeze=frozen,
+            count=new_count, mu=mu, nu=nu, nu_fresh=nu_fresh, lamb_coeff_freeze=frozen,
             last_factor=last, scaling_coeff=scaling, padding=padding, worker_error=we, server_error=se,
             freeze_at=freeze_at, variance_norms=norms, calm_checks=calm, phase=phase.astype(jnp.int32),
+            next_phase=_phase_at(new_count, freeze_at),
         )
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _phase_at(count, freeze_at) -> jax.Array:
+    """The phase of the update after ``count`` updates, an index into ``OneBitLambState.PHASES`` (int32)."""
+    return jnp.where(count < freeze_at, 0, 1).astype(jnp.int32)
 
 
 def _check_bounds(lo_name: str, lo, hi_name: str, hi, *, floor: float) -> None:
@@ -333,6 +343,7 @@ def onebit_lamb_specs(state: OneBitLambState, axis_name: str = "data") -> OneBit
         lamb_coeff_freeze=rep(state.lamb_coeff_freeze), last_factor=rep(state.last_factor),
         scaling_coeff=rep(state.scaling_coeff), padding=P(), worker_error=P(axis_name), server_error=P(axis_name),
         freeze_at=P(), variance_norms=rep(state.variance_norms), calm_checks=P(), phase=P(),
+        next_phase=rep(state.next_phase),
     )
 
 

@@ -58,6 +58,7 @@ from jonebit.comm.backends import get_backend
 from jonebit.sharding.zero import register_per_rank_state
 from jonebit.transforms import base
 from jonebit.transforms.base import ScalarOrSchedule
+from jonebit.transforms.phases import run_phase
 
 _WHO = "zero_one_adam"
 
@@ -94,6 +95,7 @@ class ZeroOneAdamState(NamedTuple):
     worker_error: Any
     server_error: Any
     phase: jax.Array
+    next_phase: Any = None
 
     PHASES = ("variance_freezing", "local_steps")
     PARAMS_PER_RANK = True  # the local steps move each rank's own parameters
@@ -196,6 +198,7 @@ def zero_one_adam(
             lrs=jnp.zeros([], jnp.float32), var_interval=one, var_counter=zero,
             local_step_interval=jnp.copy(one), local_step_counter=jnp.copy(zero), var_updates=jnp.copy(zero),
             worker_error=worker, server_error=server, phase=jnp.copy(zero),
+            next_phase=jnp.where(zero < var_freeze_step, 0, 1).astype(jnp.int32),
         )
 
     def update_fn(grads, state, params=None):
@@ -294,22 +297,25 @@ def zero_one_adam(
             return (local(updates), m, nu, acc, lrs, we1, se1, state.var_interval, state.var_counter,
                     interval, jnp.where(doubled, 0, local_counter), state.var_updates)
 
-        phase = jnp.where(count < var_freeze_step, 0, 1)  # an index into ZeroOneAdamState.PHASES
+        def phase_at(n):  # the phase of the update after n updates, an index into ZeroOneAdamState.PHASES
+            return jnp.where(n < var_freeze_step, 0, 1).astype(jnp.int32)
 
         def typed(out):  # both phases must return the same types: updates are per rank
             return (local(out[0]), *out[1:])
 
         (updates, mu, nu, u, lrs, we, se, var_interval, var_counter, local_interval, local_counter,
-         var_updates) = lax.switch(
-            phase, (lambda x: typed(variance_freezing(x)), lambda x: typed(local_steps(x))), None)
+         var_updates), phase = run_phase(
+            ZeroOneAdamState, phase_at(count),
+            (lambda x: typed(variance_freezing(x)), lambda x: typed(local_steps(x))))
         like = params if params is not None else grads
         updates = jax.tree.map(lambda d, p: d.astype(p.dtype), updates, like)
         rows = lambda t: jax.tree.map(lambda x: x[None], t)  # noqa: E731
+        new_count = optax.safe_int32_increment(count)
         return updates, ZeroOneAdamState(
-            count=optax.safe_int32_increment(count), mu=rows(mu), nu=nu, momentum_accumulator=rows(u), lrs=lrs,
+            count=new_count, mu=rows(mu), nu=nu, momentum_accumulator=rows(u), lrs=lrs,
             var_interval=var_interval, var_counter=var_counter, local_step_interval=local_interval,
             local_step_counter=local_counter, var_updates=var_updates, worker_error=we, server_error=se,
-            phase=phase.astype(jnp.int32),
+            phase=phase.astype(jnp.int32), next_phase=phase_at(new_count),
         )
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -325,6 +331,7 @@ def zero_one_adam_specs(state: ZeroOneAdamState, axis_name: str = "data") -> Zer
         count=P(), mu=rows(state.mu), nu=rep(state.nu), momentum_accumulator=rows(state.momentum_accumulator),
         lrs=P(), var_interval=P(), var_counter=P(), local_step_interval=P(), local_step_counter=P(), var_updates=P(),
         worker_error=rows(state.worker_error), server_error=rows(state.server_error), phase=P(),
+        next_phase=rep(state.next_phase),
     )
 
 

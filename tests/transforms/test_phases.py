@@ -111,3 +111,41 @@ def test_the_engine_reports_the_same_stages_and_bytes_in_both_forms(tmp_path):
     assert [r["stage"] for r in fast] == [r["stage"] for r in one] == ["warmup"] * 3 + ["compression"] * 2
     assert [r["bytes_sent"] for r in fast] == [r["bytes_sent"] for r in one]
     assert fast[0]["bytes_sent"] > fast[-1]["bytes_sent"] > 0  # fp32 mean vs packed signs
+
+
+def test_onebit_lamb_runs_one_program_per_phase():
+    """1-bit LAMB through make_update: the phase sequence is the one-program form's, and each phase got its own
+    program."""
+    mesh = data_mesh(N)
+    tx = jonebit.onebit_lamb(1e-2, freeze_step=2)
+    names = {}
+    for per_phase in (True, False):
+        params = replicate(_params(), mesh)
+        state, specs = init_optimizer(tx, params, mesh)
+        update = make_update(tx, mesh, specs, per_phase=per_phase)
+        seq = []
+        for t in range(4):
+            params, state = update(params, state, _grads(t))
+            node = next(x for x in jax.tree.leaves(state, is_leaf=lambda x: hasattr(x, "next_phase"))
+                        if hasattr(x, "next_phase"))
+            seq.append(type(node).PHASES[int(node.phase)])
+        names[per_phase] = seq
+        if per_phase:
+            assert update.phases == [((type(node), "warmup"),), ((type(node), "compression"),)]
+    assert names[True] == names[False] == ["warmup"] * 2 + ["compression"] * 2
+
+
+def test_zero_one_adam_in_the_engine_runs_its_phases_in_order(tmp_path):
+    """0/1 Adam (per-rank parameters: the engine's path) with a program per phase: the same stages as the one
+    program. (Its schedule decisions inside a phase stay conditionals.)"""
+    mesh = data_mesh()
+    stages = {}
+    for per_phase in (True, False):
+        tx = jonebit.zero_one_adam(1e-2, var_freeze_step=2)
+        state, specs = init_train_state(tx, loop_model.params0(), mesh)
+        step = make_train_step(loop_model.loss_fn, tx, mesh, specs, rng_seed=3, per_phase=per_phase)
+        out = tmp_path / str(per_phase)
+        train(step, state, ArrayBatches(loop_model.data(), batch_size=mesh.size * 4, seed=11),
+              LoopConfig(output_dir=out, max_steps=4, progress_bar=False, steps_per_print=0, tensorboard=False))
+        stages[per_phase] = [json.loads(x)["stage"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert stages[True] == stages[False] == ["variance_freezing"] * 2 + ["local_steps"] * 2
