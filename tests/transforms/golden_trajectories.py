@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jonebit  # noqa: E402
 from jonebit.experimental import OneBitAdamOptions  # noqa: E402
+from jonebit.transforms.phases import PhasePrograms, fixed_phases  # noqa: E402
 
 RECORDING = pathlib.Path(__file__).with_suffix(".npz")
 WORLD = 4
@@ -168,24 +169,32 @@ def _flat(tree) -> np.ndarray:
     return np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(jax.device_get(tree))])
 
 
-def _stepper(tx, mesh, specs, axes, per_rank: bool):
+def _stepper(tx, mesh, specs, axes, per_rank: bool, per_phase: bool):
     rows = P(axes)
     pspec = rows if per_rank else P()
 
-    @jax.jit
     @jax.shard_map(mesh=mesh, in_specs=(pspec, specs, rows), out_specs=(pspec, specs))
-    def step(params, state, grads):
+    def body(params, state, grads):
         grads = jax.tree.map(lambda g: g[0], grads)
         local = jax.tree.map(lambda p: p[0], params) if per_rank else params
         updates, state = tx.update(grads, state, local)
         new = optax.apply_updates(local, updates)
         return (jax.tree.map(lambda p: p[None], new) if per_rank else new), state
 
-    return step
+    def build(phases):
+        def step(params, state, grads):
+            with fixed_phases(phases):
+                return body(params, state, grads)
+
+        return jax.jit(step)
+
+    return PhasePrograms(build) if per_phase else build(None)
 
 
-def run(name: str) -> dict[str, np.ndarray]:
-    """Runs one case: ``{"params": (STEPS, n) after each step, "state/<field>": the final state}``."""
+def run(name: str, per_phase: bool = False) -> dict[str, np.ndarray]:
+    """Runs one case: ``{"params": (STEPS, n) after each step, "state/<field>": the final state}``, as one program
+    with every phase (how the recording was made) or as a program per phase picked on the host (``per_phase``,
+    what jonebit's step builders run)."""
     kind, build = CASES[name]
     tx = build()
     grads = gradients(nan=kind == "replicated_nan")
@@ -200,7 +209,7 @@ def run(name: str) -> dict[str, np.ndarray]:
         def loss_fn(p, batch):  # linear: the gradient is the batch row itself, exactly
             return sum(jnp.sum(p[k] * batch[k][0]) for k in p)
 
-        step = make_zero_step(loss_fn, tx, mesh, shardings)
+        step = make_zero_step(loss_fn, tx, mesh, shardings, per_phase=per_phase)
         for g in grads:
             params, state, _ = step(params, state, jax.device_put(g, NamedSharding(mesh, P("data"))))
             trajectory.append(_flat(params.tree() if hasattr(params, "tree") else params))
@@ -213,7 +222,7 @@ def run(name: str) -> dict[str, np.ndarray]:
             axes = "data"
         per_rank = kind == "per_rank"
         state, specs = jonebit.sharded_init(tx, params0(), mesh, axis_name=axes)
-        step = _stepper(tx, mesh, specs, axes, per_rank)
+        step = _stepper(tx, mesh, specs, axes, per_rank, per_phase)
         p = params0()
         if per_rank:
             p = {k: np.stack([v] * WORLD) for k, v in p.items()}
@@ -242,12 +251,13 @@ def recorded(name: str) -> dict[str, np.ndarray]:
         return {k[len(prefix):]: data[k] for k in data.files if k.startswith(prefix)}
 
 
-def check() -> list[tuple[str, str, int]]:
-    """Replays every case: ``(case, key, mismatched elements)`` for each array that differs from the recording, and
-    ``(case, key, -1)`` for a key present on one side only (other than :data:`ADDED`)."""
+def check(per_phase: bool = False) -> list[tuple[str, str, int]]:
+    """Replays every case, in the form ``per_phase`` says (see :func:`run`): ``(case, key, mismatched elements)``
+    for each array that differs from the recording, and ``(case, key, -1)`` for a key present on one side only (other
+    than :data:`ADDED`)."""
     bad = []
     for name in CASES:
-        want, got = recorded(name), run(name)
+        want, got = recorded(name), run(name, per_phase)
         for key in sorted((set(got) ^ set(want)) - set(ADDED)):
             bad.append((name, key, -1))
         for key in sorted(set(want) & set(got)):
@@ -260,7 +270,7 @@ def check() -> list[tuple[str, str, int]]:
 if __name__ == "__main__":
     if sys.argv[1:] == ["record"]:
         record()
-    elif sys.argv[1:] == ["check"]:
-        print(json.dumps({"cases": len(CASES), "mismatches": check()}))
+    elif sys.argv[1:2] == ["check"] and sys.argv[2:] in ([], ["per_phase"]):
+        print(json.dumps({"cases": len(CASES), "mismatches": check(per_phase=sys.argv[2:] == ["per_phase"])}))
     else:
-        sys.exit("usage: python -m tests.transforms.golden_trajectories record|check")
+        sys.exit("usage: python -m tests.transforms.golden_trajectories record|check [per_phase]")

@@ -14,14 +14,19 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tests.mpi_util import ROOT
 from tests.transforms.golden_trajectories import CASES, FREEZE, NAN_STEP, STEPS, XLA_FLAGS, recorded
 
 
-def test_replay_is_bit_identical():
+@pytest.mark.parametrize("form", ["one_program", "per_phase"])
+def test_replay_is_bit_identical(form):
+    """Both forms of every optimizer: the transformation's one program with every phase (a user's own jit), and a
+    program per phase picked on the host (jonebit's step builders) replay the recording bit for bit."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": XLA_FLAGS}
-    out = subprocess.run([sys.executable, "-m", "tests.transforms.golden_trajectories", "check"], cwd=ROOT, env=env,
+    argv = ["check"] if form == "one_program" else ["check", "per_phase"]
+    out = subprocess.run([sys.executable, "-m", "tests.transforms.golden_trajectories", *argv], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
