@@ -66,11 +66,10 @@ class _Rank:
 
     rank: int
     proc: subprocess.Popen
-    last_line: str | None = None
-    last_output: float | None = None  # time.monotonic() of the last line
     # Its last stderr lines, for the root-cause report when it is the first to fail.
     err_tail: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=ROOT_CAUSE_LINES))
-    # (time.monotonic(), line) of its last lines on either stream: what it was doing before another rank failed.
+    # (time.monotonic(), line) of its last lines on either stream: what it was doing when it went quiet or another
+    # rank failed.
     history: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=256))
 
 
@@ -86,8 +85,7 @@ def _pump(stream, sink: TextIO, who: _Rank, lock: threading.Lock, activity: list
             except (OSError, ValueError):
                 pass  # our own output is gone (say, piped into ``head``): keep draining so the rank never blocks
             now = time.monotonic()
-            who.last_line, who.last_output = line.rstrip("\n"), now
-            who.history.append((now, who.last_line))
+            who.history.append((now, line.rstrip("\n")))
             activity[0] = now
             if tail is not None:
                 tail.append(line.rstrip("\n"))
@@ -309,11 +307,11 @@ def _running_report(ranks: Sequence[_Rank], now: float) -> list[str]:
     for r in ranks:
         if r.proc.poll() is not None:
             continue
-        if r.last_output is None:
+        if not r.history:
             lines.append(f"  rank {r.rank} (pid {r.proc.pid}): no output yet")
         else:
-            lines.append(f"  rank {r.rank} (pid {r.proc.pid}): last line {now - r.last_output:.1f}s ago: "
-                         f"{r.last_line[:200]!r}")
+            at, line = r.history[-1]
+            lines.append(f"  rank {r.rank} (pid {r.proc.pid}): last line {now - at:.1f}s ago: {line[:200]!r}")
     return lines
 
 

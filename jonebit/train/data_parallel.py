@@ -25,7 +25,7 @@ from jonebit.sharding.mesh import check_batch, data_mesh, hierarchical_mesh
 from jonebit.sharding.zero import place_copy
 from jonebit.train.step import REDUCTIONS, apply_optimizer, local_gradients, local_view, per_device, reduce
 from jonebit.transforms.onebit_adam import sharded_init
-from jonebit.transforms.phases import PhasePrograms, fixed_phases
+from jonebit.transforms.phases import jit_per_phase
 
 __all__ = ["data_mesh", "hierarchical_mesh", "init_optimizer", "make_step", "make_update", "replicate",
            "shard_batch"]
@@ -148,15 +148,11 @@ def make_step(
 
     mapped = per_device(body, mesh, in_specs=(P(), opt_specs, spec), out_specs=(P(), opt_specs, P()))
 
-    def build(phases):
-        def step(params, opt_state, batch):
-            check_batch(batch, mesh, spec, where="make_step's step")  # shapes are static: checked while tracing
-            with fixed_phases(phases):
-                return mapped(params, opt_state, batch)
+    def step(params, opt_state, batch):
+        check_batch(batch, mesh, spec, where="make_step's step")  # shapes are static: checked while tracing
+        return mapped(params, opt_state, batch)
 
-        return jax.jit(step, donate_argnums=(0, 1) if donate else ())
-
-    return PhasePrograms(build) if per_phase else build(None)
+    return jit_per_phase(step, per_phase=per_phase, donate_argnums=(0, 1) if donate else ())
 
 
 def make_update(tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, opt_specs, *, axis: Axis = "data",
@@ -179,12 +175,8 @@ def make_update(tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, opt_s
 
     mapped = per_device(body, mesh, in_specs=(P(), opt_specs, spec), out_specs=(P(), opt_specs))
 
-    def build(phases):
-        def update(params, opt_state, local_grads):
-            _check_grads(local_grads, params, size)
-            with fixed_phases(phases):
-                return mapped(params, opt_state, local_grads)
+    def update(params, opt_state, local_grads):
+        _check_grads(local_grads, params, size)
+        return mapped(params, opt_state, local_grads)
 
-        return jax.jit(update, donate_argnums=(0, 1))
-
-    return PhasePrograms(build) if per_phase else build(None)
+    return jit_per_phase(update, per_phase=per_phase, donate_argnums=(0, 1))

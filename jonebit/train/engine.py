@@ -319,9 +319,6 @@ def _compute_dtype(dtype):
     return _COMPUTE_DTYPES[name]
 
 
-
-
-
 def _spec_tuple(spec) -> tuple:
     entries = list(spec)
     while entries and entries[-1] is None:

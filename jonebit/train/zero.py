@@ -69,7 +69,7 @@ from jonebit.train.step import (
     sharded_norm_sq,
 )
 from jonebit.transforms.onebit_adam import local_abstract_state
-from jonebit.transforms.phases import PhasePrograms, fixed_phases
+from jonebit.transforms.phases import jit_per_phase
 
 P = PartitionSpec
 
@@ -178,8 +178,6 @@ def _grads_fn(loss_fn, mesh, axis: str, param_specs, grad_specs, batch_spec, red
     return per_device(body, mesh, in_specs=(param_specs, batch_spec), out_specs=out_specs)
 
 
-
-
 def _update_grad_specs(params, shardings: ZeroShardings, mesh):
     """Layout the step reduces the gradients into: ``shardings.grads``, except at stage 1.
 
@@ -261,8 +259,6 @@ class CheckedStep:
         return getattr(self._jitted, name)
 
 
-
-
 def _make_step(loss_fn, tx, mesh, shardings: ZeroShardings, batch_spec, reduce_dtype, donate: bool):
     axis = shardings.axis
     param_specs = jax.tree.map(_spec, shardings.params)
@@ -320,22 +316,19 @@ def _make_onebit_step(loss_fn, tx, mesh, shardings: ZeroShardings, batch_spec, d
     state_dev = jax.tree.map(lambda s: s.with_memory_kind("device"), shardings.opt_state)
     batch_sharding = NamedSharding(mesh, batch_spec)
 
-    def build(phases):
-        def step(params, opt_state, batch):
-            batch = jax.tree.map(lambda b: jax.sharding.reshard(b, batch_sharding), batch)
-            if shardings.offload_optimizer:
-                opt_state = jax.device_put(opt_state, state_dev)
-            with fixed_phases(phases):
-                return mapped(params, opt_state, batch)
+    def step(params, opt_state, batch):
+        batch = jax.tree.map(lambda b: jax.sharding.reshard(b, batch_sharding), batch)
+        if shardings.offload_optimizer:
+            opt_state = jax.device_put(opt_state, state_dev)
+        return mapped(params, opt_state, batch)
 
-        return jax.jit(
-            step,
-            in_shardings=(shardings.params, shardings.opt_state, batch_sharding),
-            out_shardings=(shardings.params, shardings.opt_state, NamedSharding(mesh, P())),
-            donate_argnums=(0, 1) if donate else (),
-        )
-
-    return PhasePrograms(build) if per_phase else build(None)
+    return jit_per_phase(
+        step,
+        per_phase=per_phase,
+        in_shardings=(shardings.params, shardings.opt_state, batch_sharding),
+        out_shardings=(shardings.params, shardings.opt_state, NamedSharding(mesh, P())),
+        donate_argnums=(0, 1) if donate else (),
+    )
 
 
 def abstract_zero(tx, params, mesh, *, stage: int, axis: str = "data", offload_optimizer: bool = False,

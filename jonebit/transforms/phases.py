@@ -75,6 +75,19 @@ def next_phases(opt_state) -> tuple | None:
     return tuple(sorted(chosen.items(), key=lambda kv: kv[0].__qualname__))
 
 
+def jit_per_phase(fn: Callable, *, per_phase: bool = True, state_arg: int = 1, **jit_kwargs):
+    """``jax.jit(fn, **jit_kwargs)`` compiled once per phase (a :class:`PhasePrograms` reading the optimizer state at
+    ``state_arg``), or, with ``per_phase=False``, the one jitted program with every phase."""
+    def build(phases):
+        def traced(*args):
+            with fixed_phases(phases):
+                return fn(*args)
+
+        return jax.jit(traced, **jit_kwargs)
+
+    return PhasePrograms(build, state_arg) if per_phase else build(None)
+
+
 class PhasePrograms:
     """A step function compiled once per phase of the optimizer state it is given.
 

@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jonebit  # noqa: E402
 from jonebit.experimental import OneBitAdamOptions  # noqa: E402
-from jonebit.transforms.phases import PhasePrograms, fixed_phases  # noqa: E402
+from jonebit.transforms.phases import jit_per_phase  # noqa: E402
 
 RECORDING = pathlib.Path(__file__).with_suffix(".npz")
 WORLD = 4
@@ -181,14 +181,7 @@ def _stepper(tx, mesh, specs, axes, per_rank: bool, per_phase: bool):
         new = optax.apply_updates(local, updates)
         return (jax.tree.map(lambda p: p[None], new) if per_rank else new), state
 
-    def build(phases):
-        def step(params, state, grads):
-            with fixed_phases(phases):
-                return body(params, state, grads)
-
-        return jax.jit(step)
-
-    return PhasePrograms(build) if per_phase else build(None)
+    return jit_per_phase(body, per_phase=per_phase)
 
 
 def run(name: str, per_phase: bool = False) -> dict[str, np.ndarray]:
