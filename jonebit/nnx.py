@@ -28,11 +28,30 @@ from jonebit.train.engine import RankParams, init_train_state, model_params
 from jonebit.train.engine import make_train_step as make_engine_step
 from jonebit.transforms.base import takes_local_gradients
 
-__all__ = ["make_train_step"]
+__all__ = ["make_train_step", "reseed"]
 
 
 def _is_key(x) -> bool:
     return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def reseed(keys, rng):
+    """``keys`` (a model's ``nnx.RngState``) with every stream key derived from ``rng``; counters kept.
+
+    The ``i``-th key leaf becomes ``fold_in(rng, i)``, split over the leaf's shape where the streams are stacked
+    (the dropout streams of scanned layers, one per layer), so no two dropout layers draw the same mask. Mapping
+    the state also gives fresh Variables inside the trace, which the model's dropout layers may advance.
+    """
+    leaves, treedef = jax.tree.flatten(keys)
+    out, i = [], 0
+    for x in leaves:
+        if _is_key(x):
+            k = jax.random.fold_in(rng, i)
+            out.append(jax.random.split(k, x.shape) if x.shape else k)
+            i += 1
+        else:
+            out.append(x)
+    return jax.tree.unflatten(treedef, out)
 
 
 def make_train_step(
@@ -83,8 +102,7 @@ def make_train_step(
     has_keys = any(_is_key(x) for x in jax.tree.leaves(keys))
 
     def merged(p, rng=None):
-        # Mapping the key state gives fresh Variables inside the trace, which the model's dropout may advance.
-        fresh = jax.tree.map(lambda x: rng if rng is not None and _is_key(x) else x, keys)
+        fresh = jax.tree.map(lambda x: x, keys) if rng is None else reseed(keys, rng)
         return nnx.merge(graphdef, p, fresh, rest)
 
     if has_keys:

@@ -75,10 +75,11 @@ def _model_config(name: str, vocab_size: int, seq_len: int):
     return BertConfig.preset(name, vocab_size=vocab_size, max_position_embeddings=max(512, seq_len))
 
 
-def build_model(name: str, vocab_size: int, seq_len: int, seed: int, dtype=None):
+def build_model(name: str, vocab_size: int, seq_len: int, seed: int, dtype=None, scan_layers: bool = False):
     """A ``BertForPreTraining``: a preset initialised from ``seed``, or ``hf:DIR`` loaded from a checkpoint.
 
-    ``dtype`` is the compute dtype (float32 parameters either way; None: float32).
+    ``dtype`` is the compute dtype (float32 parameters either way; None: float32). ``scan_layers``: the stacked
+    encoder, which ZeRO stage 3 gathers layer by layer.
     """
     import jax.numpy as jnp
     from flax import nnx
@@ -86,29 +87,30 @@ def build_model(name: str, vocab_size: int, seq_len: int, seed: int, dtype=None)
     from jonebit.models.bert import BertForPreTraining, load_hf_checkpoint
 
     if name.startswith("hf:"):
-        model = load_hf_checkpoint(name[3:], model_cls=BertForPreTraining, dtype=dtype or jnp.float32)
+        model = load_hf_checkpoint(name[3:], model_cls=BertForPreTraining, dtype=dtype or jnp.float32,
+                                   scan_layers=scan_layers)
         if model.config.vocab_size != vocab_size:
             raise ValueError(f"--model {name} has vocab_size {model.config.vocab_size}, the tokenizer has "
                              f"{vocab_size}: pass the checkpoint's vocab.txt with --vocab")
         return model
     return BertForPreTraining(_model_config(name, vocab_size, seq_len), dtype=dtype or jnp.float32,
-                              rngs=nnx.Rngs(params=seed, dropout=seed + 1))
+                              scan_layers=scan_layers, rngs=nnx.Rngs(params=seed, dropout=seed + 1))
 
 
 def make_loss(graphdef, keys, rest):
     """``loss_fn(params, batch, rng)``: MLM + NSP loss, dropout drawn from the engine's key.
 
-    ``keys`` is the model's ``nnx.RngState`` (stream keys and counters); each step replaces every stream key with the
-    engine's key (which depends on the step, the rank and the micro-batch only), so dropout is reproducible across
-    restarts. Mapping the state also gives fresh Variables inside the trace, which the dropout layers may advance.
+    ``keys`` is the model's ``nnx.RngState`` (stream keys and counters); each step derives every stream key from the
+    engine's key (which depends on the step, the rank and the micro-batch only; :func:`jonebit.nnx.reseed`), so
+    dropout is reproducible across restarts and each dropout layer draws its own mask.
     """
-    import jax
     from flax import nnx
 
     from jonebit.models.bert import pretraining_loss
+    from jonebit.nnx import reseed
 
     def loss_fn(params, batch, rng):
-        fresh = jax.tree.map(lambda x: rng if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x, keys)
+        fresh = reseed(keys, rng)
         model = nnx.merge(graphdef, params, fresh, rest)
         # The MLM head at the masked positions only (the gather form of the batch): the same loss, and with a
         # 30k vocabulary about half the work of the step.
@@ -196,7 +198,9 @@ def run(
 
     tokenizer = load_wordpiece(vocab_file)
     cfg = load_config(config)
-    net = build_model(model, tokenizer.vocab_size, seq_len, seed, dtype=compute_dtype(cfg))
+    # ZeRO stage 3 gathers the parameters layer by layer, which needs the stacked encoder.
+    net = build_model(model, tokenizer.vocab_size, seq_len, seed, dtype=compute_dtype(cfg),
+                      scan_layers=cfg.zero_optimization.stage == 3)
     if net.config.max_position_embeddings < seq_len:
         raise ValueError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings "
                          f"{net.config.max_position_embeddings}")

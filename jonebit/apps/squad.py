@@ -255,11 +255,12 @@ def squad_loss(start_logits, end_logits, start_positions, end_positions):
 
 def make_loss(graphdef, keys, rest):
     """``loss_fn(params, batch, rng)``: the span loss with dropout drawn from the engine's key (see ``pretrain``)."""
-    import jax
     from flax import nnx
 
+    from jonebit.nnx import reseed
+
     def loss_fn(params, batch, rng):
-        fresh = jax.tree.map(lambda x: rng if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x, keys)
+        fresh = reseed(keys, rng)
         model = nnx.merge(graphdef, params, fresh, rest)
         out = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"], deterministic=False)
         return squad_loss(out.start_logits, out.end_logits, batch["start_positions"], batch["end_positions"])

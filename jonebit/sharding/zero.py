@@ -7,7 +7,8 @@ by two tables, :data:`STAGES` and the per-leaf rule :func:`leaf_spec`:
 
 * a leaf that is partitioned gets the data axis on its **largest dimension divisible by the axis size**
   (ties: the first such dimension); a leaf with no such dimension (scalars, odd shapes) stays replicated,
-  which is logged at debug level;
+  which is logged at debug level; the leaves of a stack of layers (:mod:`jonebit.sharding.layerwise`) never
+  on their leading layer axis, so that each layer's slice can be gathered where it runs;
 * the per-rank buffers of the 1-bit optimizers (error feedback, rows of a leading rank axis) are always
   sharded over the data axis, at every stage, because each rank owns a different one;
 * ``offload_optimizer=True`` puts the optimizer state in host memory (``memory_kind="pinned_host"``).
@@ -29,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
+
+from jonebit.sharding.layerwise import is_stacked
 
 log = logging.getLogger(__name__)
 
@@ -95,27 +98,34 @@ def base_spec(leaf, mesh, axis: str | None = None) -> PartitionSpec:
     return P(*entries)
 
 
-def shard_dim(shape, mesh, axis: str, spec: PartitionSpec = _REPLICATED) -> int | None:
-    """The dimension that gets ``axis``: the largest one still divisible after the axes it already carries."""
+def shard_dim(shape, mesh, axis: str, spec: PartitionSpec = _REPLICATED, *, first: int = 0) -> int | None:
+    """The dimension that gets ``axis``: the largest one still divisible after the axes it already carries.
+
+    Dimensions before ``first`` are never chosen (the layer axis of a stack of layers, which is scanned over).
+    """
     size = mesh.shape[axis]
     entries = tuple(spec) + (None,) * (len(shape) - len(spec))
     if any(axis in _entry_axes(e) for e in entries):
         return None  # already sharded over the data axis
     best, best_len = None, 0
     for d, (n, entry) in enumerate(zip(shape, entries, strict=True)):
+        if d < first:
+            continue
         per_shard = n // _axes_size(mesh, _entry_axes(entry))
         if per_shard % size == 0 and per_shard >= size and per_shard > best_len:
             best, best_len = d, per_shard
     return best
 
 
-def leaf_spec(shape, mesh, axis: str, spec: PartitionSpec = _REPLICATED, *, what: str = "leaf") -> PartitionSpec:
-    """``spec`` with ``axis`` added on :func:`shard_dim`; unchanged (logged) when no dimension fits."""
+def leaf_spec(shape, mesh, axis: str, spec: PartitionSpec = _REPLICATED, *, what: str = "leaf",
+              first: int = 0) -> PartitionSpec:
+    """``spec`` with ``axis`` added on :func:`shard_dim` (from dimension ``first``); unchanged (logged) when no
+    dimension fits."""
     shape = tuple(shape)
     entries = list(tuple(spec) + (None,) * (len(shape) - len(spec)))
     if any(axis in _entry_axes(e) for e in entries):
         return P(*entries)
-    d = shard_dim(shape, mesh, axis, spec)
+    d = shard_dim(shape, mesh, axis, spec, first=first)
     if d is None:
         if shape:
             log.debug("ZeRO: %s with shape %s has no dimension divisible by %s=%d; replicated over %r",
@@ -151,13 +161,16 @@ def _is_special(node) -> bool:
     return per_rank_rule(node) is not None
 
 
-def _tree_specs(tree, mesh, axis: str, partition: bool, what: str):
+def _tree_specs(tree, mesh, axis: str, partition: bool, what: str, prefix: tuple = ()):
     def one(path, leaf):
+        path = prefix + tuple(path)
         spec = base_spec(leaf, mesh, axis)
         shape = tuple(getattr(leaf, "shape", np.shape(leaf)))
         if not partition:
             return spec
-        return leaf_spec(shape, mesh, axis, spec, what=f"{what}{jax.tree_util.keystr(path)}")
+        # A stack of layers keeps its layer axis whole: the scan slices it, each device gathers its layer's shard.
+        return leaf_spec(shape, mesh, axis, spec, what=f"{what}{jax.tree_util.keystr(path)}",
+                         first=1 if is_stacked(path) else 0)
 
     return jax.tree_util.tree_map_with_path(one, tree)
 
@@ -168,9 +181,9 @@ def opt_state_specs(opt_state, mesh, axis: str, partition: bool):
     def node_specs(path, node):
         rule = per_rank_rule(node)
         if rule is None:
-            return _tree_specs(node, mesh, axis, partition, "opt_state" + jax.tree_util.keystr(path))
+            return _tree_specs(node, mesh, axis, partition, "opt_state", tuple(path))
         fixed = rule(node, axis)
-        generic = _tree_specs(node, mesh, axis, partition, "opt_state" + jax.tree_util.keystr(path))
+        generic = _tree_specs(node, mesh, axis, partition, "opt_state", tuple(path))
         return jax.tree.map(lambda f, g: g if f is None else f, fixed, generic,
                             is_leaf=lambda x: x is None or isinstance(x, PartitionSpec))
 

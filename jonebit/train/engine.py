@@ -54,6 +54,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jonebit.sharding.layerwise import gathering, is_stacked
 from jonebit.sharding.zero import OFFLOAD_MEMORY_KIND, check_stage, leaf_spec, to_shardings, zero_specs
 from jonebit.train.onebit_zero import FlatParams, find_onebit_state, onebit_stage
 from jonebit.train.step import (
@@ -61,6 +62,7 @@ from jonebit.train.step import (
     apply_optimizer,
     axis_dim,
     gather_shards,
+    gathered_mask,
     keep_if,
     local_gradients,
     local_view,
@@ -455,14 +457,14 @@ def make_train_step(
     # The rank id of this device among all data-parallel ranks (MPI processes x local devices), for the rng.
     rank_offset = 0 if mpi is None else mpi.rank * ranks
 
-    def local_grads(local, step_count, scale, batch):
+    def local_grads(local, step_count, scale, batch, uncast=None):
         """This rank's gradient, summed in float32 over the micro-batches and divided by ``k x scale``."""
         rng = None
         if rng_seed is not None:
             rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(int(rng_seed)), step_count),
                                      lax.axis_index(axis) + rank_offset)
         return local_gradients(loss_fn, local, batch, axis=axis, accumulation_steps=k, compute_dtype=dtype,
-                               scale=None if unit_scale else scale, has_aux=has_aux, rng=rng)
+                               scale=None if unit_scale else scale, has_aux=has_aux, rng=rng, uncast=uncast)
 
     def loss_metrics(losses, auxes, scale, overflow, grad_norm):
         metrics = {
@@ -677,24 +679,27 @@ def _zero_step(local_grads, loss_metrics, tx, mesh, specs: TrainState, scaling: 
     """The step of a standard optimizer at ZeRO stage 1-3 (global view around one ``shard_map``)."""
     size = mesh.shape[axis]
 
-    def grad_spec(p, pspec):
+    def grad_spec(path, p, pspec):
         """Where this rank's share of the mean gradient lands: the param's shard (stage 3), else the optimizer
         state's layout (stages 1 and 2; at stage 1 a reduce-scatter plus the update's all-gather moves stage 0's
         bytes, see :func:`jonebit.train.zero._update_grad_specs`)."""
         if axis_dim(pspec, axis) is not None:
             return pspec
-        return leaf_spec(p.shape, mesh, axis, pspec, what="grads")
+        return leaf_spec(p.shape, mesh, axis, pspec, what="grads", first=int(is_stacked(path)))
 
     def step(state: TrainState, batch):
         param_specs = specs.params
-        grad_specs = jax.tree.map(grad_spec, state.params, param_specs)
+        grad_specs = jax.tree_util.tree_map_with_path(grad_spec, state.params, param_specs)
 
         def grads_body(params, step_count, scale, batch):
             # Stage 3: gather each shard once per optimizer step, in the compute dtype (the cast commutes with
             # the gather); all-gather results already vary over the axis, so autodiff adds no collective.
             local = gather_shards(params, param_specs, axis, dtype)
-            grads, losses, auxes = local_grads(local, step_count, scale, batch)
-            grads = reduce_scatter(grads, grad_specs, axis, size)
+            # Stacked layers: each layer's shards cast and gathered where it runs, gradients reduced in float32.
+            with gathering(axis, compute_dtype=dtype, reduce_dtype=jnp.float32):
+                grads, losses, auxes = local_grads(local, step_count, scale, batch,
+                                                   gathered_mask(params, param_specs, axis))
+            grads = reduce_scatter(grads, grad_specs, axis, size, param_specs)
             grad_norm_sq = sharded_norm_sq(grads, grad_specs, axis)
             return grads, loss_metrics(losses, auxes, scale, nonfinite(grad_norm_sq), jnp.sqrt(grad_norm_sq))
 

@@ -28,6 +28,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jonebit.comm.backends import as_varying
+from jonebit.sharding.layerwise import is_stacked
 from jonebit.train.onebit_zero import FlatParams
 
 REDUCTIONS = (None, "mean", "mean_bf16")
@@ -79,7 +80,7 @@ def local_view(params, axis, compute_dtype=None):
 
 
 def local_gradients(loss_fn, local, batch, *, axis, accumulation_steps: int = 1, compute_dtype=None, scale=None,
-                    has_aux: bool = False, rng=None):
+                    has_aux: bool = False, rng=None, uncast=None):
     """This device's gradient of ``loss_fn`` at ``local``: ``(grads, losses, auxes)``.
 
     ``batch`` is split into ``accumulation_steps`` micro-batches along its leading axis; their gradients are summed
@@ -87,14 +88,17 @@ def local_gradients(loss_fn, local, batch, *, axis, accumulation_steps: int = 1,
     parameters are cast to it for the loss and the loss and gradients come back in float32; without one nothing is
     cast. ``scale`` multiplies the loss before differentiation (fp16 loss scaling; ``None``: none). ``rng``: a key
     folded with the micro-batch index and passed as ``loss_fn``'s third argument. ``losses`` (and ``auxes``, with
-    ``has_aux``) are stacked over the micro-batches, unscaled.
+    ``has_aux``) are stacked over the micro-batches, unscaled. ``uncast``: a tree of bools like ``local``; leaves
+    marked ``True`` reach ``loss_fn`` in their own dtype (ZeRO-3 shards of stacked layers, which the model casts
+    where it gathers them, so that their gradients are reduced in float32).
     """
     k = int(accumulation_steps)
 
     def micro_step(micro, key):
         def scaled(p):
             if compute_dtype is not None:
-                p = jax.tree.map(lambda x: x.astype(compute_dtype), p)
+                keep = jax.tree.map(lambda _: False, p) if uncast is None else uncast
+                p = jax.tree.map(lambda x, k: x if k else x.astype(compute_dtype), p, keep)
             out = loss_fn(p, micro) if key is None else loss_fn(p, micro, key)
             loss, aux = out if has_aux else (out, None)
             if compute_dtype is not None:
@@ -149,26 +153,47 @@ def axis_dim(spec, axis: str) -> int | None:
     return None
 
 
+def gathered_by_model(path, spec, axis: str) -> bool:
+    """Whether the model gathers this ZeRO-3 shard itself, layer by layer (:mod:`jonebit.sharding.layerwise`):
+    a partitioned leaf of a stack of layers."""
+    return is_stacked(path) and axis_dim(spec, axis) is not None
+
+
+def gathered_mask(params, param_specs, axis: str):
+    """``True`` at the ZeRO-3 shards the model gathers itself (:func:`gathered_by_model`)."""
+    return jax.tree_util.tree_map_with_path(lambda path, _, spec: gathered_by_model(path, spec, axis), params,
+                                            param_specs)
+
+
 def gather_shards(params, param_specs, axis: str, compute_dtype=None):
     """Standard ZeRO-3: every parameter shard all-gathered over ``axis`` (in ``compute_dtype`` when given), each
-    leaf typed varying so that its gradient is this device's own."""
-    def one(p, spec):
+    leaf typed varying so that its gradient is this device's own. The shards of stacked layers stay shards: the
+    model gathers them one layer at a time (trace its loss under :func:`jonebit.sharding.layerwise.gathering`)."""
+    def one(path, p, spec):
         d = axis_dim(spec, axis)
-        if d is not None:
+        if d is not None and not gathered_by_model(path, spec, axis):
             p = lax.all_gather(p if compute_dtype is None else p.astype(compute_dtype), axis, axis=d, tiled=True)
         return as_varying(p, axis)
 
-    return jax.tree.map(one, params, param_specs)
+    return jax.tree_util.tree_map_with_path(one, params, param_specs)
 
 
-def reduce_scatter(grads, grad_specs, axis: str, size: int):
+def reduce_scatter(grads, grad_specs, axis: str, size: int, param_specs=None):
     """The mean gradient over ``axis``, each leaf laid out by its spec: scattered where the spec splits ``axis``,
-    whole elsewhere."""
-    def one(g, spec):
-        d = axis_dim(spec, axis)
-        return lax.pmean(g, axis) if d is None else lax.psum_scatter(g, axis, scatter_dimension=d, tiled=True) / size
+    whole elsewhere. With ``param_specs`` (ZeRO-3): the gradient of a shard the model gathered itself is already
+    the sum over ``axis``, scattered like the shard (autodiff's transpose of the gather), and is only divided."""
+    if param_specs is None:
+        param_specs = jax.tree.map(lambda _: P(), grads)
 
-    return jax.tree.map(one, grads, grad_specs)
+    def one(path, g, spec, param_spec):
+        d = axis_dim(spec, axis)
+        if d is None:
+            return lax.pmean(g, axis)
+        if gathered_by_model(path, param_spec, axis):
+            return g / size
+        return lax.psum_scatter(g, axis, scatter_dimension=d, tiled=True) / size
+
+    return jax.tree_util.tree_map_with_path(one, grads, grad_specs, param_specs)
 
 
 def norm_sq(grads) -> jax.Array:

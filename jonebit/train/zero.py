@@ -39,6 +39,7 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jonebit.sharding.layerwise import gathering, is_stacked
 from jonebit.sharding.mesh import check_batch
 from jonebit.sharding.zero import (
     OFFLOAD_MEMORY_KIND,
@@ -162,13 +163,16 @@ def _grads_fn(loss_fn, mesh, axis: str, param_specs, grad_specs, batch_spec, red
     batch_spec = P(axis) if batch_spec is None else batch_spec
 
     def body(params, batch):
-        # Stage 3: the shards are gathered once; each device's gradient of the gathered tree is then
-        # reduce-scattered back into the shards, so no device holds the summed full gradient.
+        # Stage 3: the shards are gathered once (those of stacked layers one layer at a time, inside the model);
+        # each device's gradient of the gathered tree is then reduce-scattered back into the shards, so no device
+        # holds the summed full gradient.
         local = gather_shards(params, param_specs, axis)
-        grads, losses, _ = local_gradients(loss_fn, local, batch, axis=axis)
+        # Stacked layers: each layer's shards gathered where it runs, gradients reduced in reduce_dtype.
+        with gathering(axis, reduce_dtype=reduce_dtype):
+            grads, losses, _ = local_gradients(loss_fn, local, batch, axis=axis)
         if reduce_dtype is not None:
             grads = jax.tree.map(lambda g: g.astype(reduce_dtype), grads)
-        grads = reduce_scatter(grads, grad_specs, axis, size)
+        grads = reduce_scatter(grads, grad_specs, axis, size, param_specs)
         if not with_norm:
             return grads, lax.pmean(losses[0], axis)
         # One scalar all-reduce at stages 1-3; none at stage 0, whose reduced gradient is replicated.
@@ -190,7 +194,9 @@ def _update_grad_specs(params, shardings: ZeroShardings, mesh):
     grad_specs = jax.tree.map(_spec, shardings.grads)
     if shardings.stage != 1:
         return grad_specs
-    return jax.tree.map(lambda p, s: leaf_spec(p.shape, mesh, shardings.axis, s, what="grads"), params, grad_specs)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p, s: leaf_spec(p.shape, mesh, shardings.axis, s, what="grads", first=int(is_stacked(path))),
+        params, grad_specs)
 
 
 def make_zero_step(

@@ -13,6 +13,7 @@ import numpy as np
 from flax import nnx, struct
 
 from jonebit.models.bert.config import BertConfig
+from jonebit.sharding.layerwise import STACKED_KEY, scan_layers
 
 Array = jax.Array
 
@@ -265,19 +266,38 @@ class BertLayer(nnx.Module):
 
 
 class BertEncoder(nnx.Module):
-    """The stack of layers; with ``remat`` each layer's activations are recomputed in the backward pass."""
+    """The stack of layers; with ``remat`` each layer's activations are recomputed in the backward pass.
 
-    def __init__(self, config: BertConfig, *, dtype, param_dtype, remat: bool, rngs: nnx.Rngs):
+    With ``scan_layers`` the layers are one stacked module (:data:`jonebit.sharding.layerwise.STACKED_KEY`, every
+    parameter with a leading layer axis) applied by :func:`jonebit.sharding.layerwise.scan_layers`: one layer's
+    program instead of ``num_hidden_layers`` copies, and the form in which ZeRO stage 3 gathers the parameters
+    layer by layer. Otherwise ``layer`` is a list of layers (HuggingFace's tree).
+    """
+
+    def __init__(self, config: BertConfig, *, dtype, param_dtype, remat: bool, scan_layers: bool = False,
+                 rngs: nnx.Rngs):
+        self.config = config
         self.remat = remat
-        layers = [
-            BertLayer(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for _ in range(config.num_hidden_layers)
-        ]
-        self.layer = nnx.List(layers)
+        self.scan_layers = scan_layers
+        self.dtypes = (dtype, param_dtype)
+        if scan_layers:
+            make = nnx.split_rngs(splits=config.num_hidden_layers)(nnx.vmap(lambda r: self._layer(r)))
+            setattr(self, STACKED_KEY, make(rngs))
+        else:
+            self.layer = nnx.List([self._layer(rngs) for _ in range(config.num_hidden_layers)])
+
+    def _layer(self, rngs: nnx.Rngs) -> BertLayer:
+        dtype, param_dtype = self.dtypes
+        return BertLayer(self.config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x: Array, bias: Array | None, deterministic: bool | None = None) -> Array:
         def apply(layer: BertLayer, h: Array, b: Array | None) -> Array:
             return layer(h, b, deterministic)
 
+        if self.scan_layers:
+            return scan_layers(getattr(self, STACKED_KEY), x, lambda layer, h: apply(layer, h, bias),
+                               layer_shapes=nnx.state(nnx.eval_shape(lambda: self._layer(nnx.Rngs(0))), nnx.Param),
+                               remat=self.remat)
         if self.remat:
             apply = nnx.remat(apply)
         for layer in self.layer:
@@ -302,6 +322,10 @@ class BertModel(nnx.Module):
         softmax, LayerNorm statistics and head logits are always float32.
       param_dtype: dtype of the parameters.
       remat: recompute each layer's activations in the backward pass (``nnx.remat``) to save memory.
+      scan_layers: stack the layers and scan over them (:class:`BertEncoder`): one layer's program to compile, and
+        ZeRO stage 3 gathers the parameters layer by layer. The parameter tree then holds
+        ``encoder.stacked_layers.*`` leaves with a leading layer axis; HuggingFace import and export map them to
+        and from ``encoder.layer.{i}.*`` either way.
       add_pooling_layer: build the pooler (HuggingFace's question-answering model has none).
       rngs: ``params`` (or default) stream for initialisation, ``dropout`` (or default) stream for dropout.
 
@@ -324,12 +348,14 @@ class BertModel(nnx.Module):
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         remat: bool = False,
+        scan_layers: bool = False,
         add_pooling_layer: bool = True,
         rngs: nnx.Rngs,
     ):
         self.config = config
         self.embeddings = BertEmbeddings(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.encoder = BertEncoder(config, dtype=dtype, param_dtype=param_dtype, remat=remat, rngs=rngs)
+        self.encoder = BertEncoder(config, dtype=dtype, param_dtype=param_dtype, remat=remat, scan_layers=scan_layers,
+                                   rngs=rngs)
         self.pooler = (
             BertPooler(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs) if add_pooling_layer else None
         )
@@ -391,10 +417,11 @@ class BertForPreTraining(nnx.Module):
 
     def __init__(
         self, config: BertConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, remat: bool = False,
-        rngs: nnx.Rngs,
+        scan_layers: bool = False, rngs: nnx.Rngs,
     ):
         self.config = config
-        self.bert = BertModel(config, dtype=dtype, param_dtype=param_dtype, remat=remat, rngs=rngs)
+        self.bert = BertModel(config, dtype=dtype, param_dtype=param_dtype, remat=remat, scan_layers=scan_layers,
+                              rngs=rngs)
         self.cls = BertPreTrainingHeads(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(
@@ -434,11 +461,12 @@ class BertForQuestionAnswering(nnx.Module):
 
     def __init__(
         self, config: BertConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, remat: bool = False,
-        rngs: nnx.Rngs,
+        scan_layers: bool = False, rngs: nnx.Rngs,
     ):
         self.config = config
         self.bert = BertModel(
-            config, dtype=dtype, param_dtype=param_dtype, remat=remat, add_pooling_layer=False, rngs=rngs
+            config, dtype=dtype, param_dtype=param_dtype, remat=remat, scan_layers=scan_layers,
+            add_pooling_layer=False, rngs=rngs,
         )
         self.qa_outputs = _dense(config, config.hidden_size, 2, dtype, param_dtype, rngs)
 

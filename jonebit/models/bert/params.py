@@ -20,6 +20,7 @@ from flax import nnx
 
 from jonebit.models.bert.config import BertConfig
 from jonebit.models.bert.modeling import BertForPreTraining, BertForQuestionAnswering, BertModel
+from jonebit.sharding.layerwise import STACKED_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,15 @@ def hf_name(path: tuple) -> tuple[str, bool]:
     if leaf == "bias":
         return ".".join([*parents, "bias"]), False
     raise ValueError(f"no HuggingFace name for parameter {'.'.join(map(str, path))}")
+
+
+def per_layer_paths(path: tuple, num_layers: int) -> list[tuple]:
+    """The list-form paths of a leaf: ``[path]`` for an ordinary leaf; for a leaf of the stacked encoder
+    (``..., 'stacked_layers', ...``, leading layer axis) the path of each layer's slice, ``..., 'layer', i, ...``."""
+    if STACKED_KEY not in path:
+        return [path]
+    k = path.index(STACKED_KEY)
+    return [(*path[:k], "layer", i, *path[k + 1:]) for i in range(num_layers)]
 
 
 def _normalise_name(name: str) -> str:
@@ -134,6 +144,7 @@ def load_hf_checkpoint(
     dtype=jnp.float32,
     param_dtype=jnp.float32,
     remat: bool = False,
+    scan_layers: bool = False,
     rngs: nnx.Rngs | None = None,
     strict: bool = False,
 ) -> nnx.Module:
@@ -148,6 +159,8 @@ def load_hf_checkpoint(
       dtype: compute dtype of the model.
       param_dtype: dtype the parameters are stored in.
       remat: rematerialise layers in the backward pass.
+      scan_layers: build the stacked encoder (see :class:`~jonebit.models.bert.BertEncoder`); each layer's
+        tensors fill one slice of the stacked leaves.
       rngs: initialisation of missing heads and the dropout stream (default ``nnx.Rngs(0)``).
       strict: raise on checkpoint tensors the model does not use instead of warning.
 
@@ -156,7 +169,7 @@ def load_hf_checkpoint(
     """
     config, tensors = read_hf_checkpoint(path)
     rngs = nnx.Rngs(0) if rngs is None else rngs
-    model = model_cls(config, dtype=dtype, param_dtype=param_dtype, remat=remat, rngs=rngs)
+    model = model_cls(config, dtype=dtype, param_dtype=param_dtype, remat=remat, scan_layers=scan_layers, rngs=rngs)
     tensors = _align_prefix(tensors, _base_prefix(model))
     if _TIED_DECODER_BIAS in tensors:
         # HuggingFace ties the decoder bias to cls.predictions.bias; accept either spelling.
@@ -167,25 +180,33 @@ def load_hf_checkpoint(
     fresh: list[str] = []
     missing_encoder: dict[str, tuple] = {}
 
-    def assign(keypath, current):
-        name, transpose = hf_name(_key_names(keypath))
+    def one(name: str, transpose: bool, shape: tuple, dtype):
         if name not in tensors:
             bare = name[len("bert."):] if name.startswith("bert.") else name
             if bare.startswith(_ENCODER_PREFIXES):
-                missing_encoder[name] = current.shape[::-1] if transpose else current.shape
+                missing_encoder[name] = shape[::-1] if transpose else shape
             else:
                 fresh.append(name)
-            return current
+            return None
         arr = tensors[name]
         if transpose:
             arr = arr.T
-        if arr.shape != current.shape:
+        if arr.shape != shape:
             raise ValueError(
                 f"shape mismatch for tensor {name!r}: checkpoint has {tensors[name].shape}, "
-                f"the model expects {current.shape[::-1] if transpose else current.shape} (PyTorch layout)"
+                f"the model expects {shape[::-1] if transpose else shape} (PyTorch layout)"
             )
         used.add(name)
-        return jnp.asarray(arr, dtype=current.dtype)
+        return np.asarray(arr, dtype=dtype)
+
+    def assign(keypath, current):
+        path = _key_names(keypath)
+        paths = per_layer_paths(path, config.num_hidden_layers)
+        shape = current.shape if len(paths) == 1 else current.shape[1:]
+        got = [one(*hf_name(p), shape, current.dtype) for p in paths]
+        if any(g is None for g in got):
+            return current
+        return jnp.asarray(got[0] if len(paths) == 1 else np.stack(got), dtype=current.dtype)
 
     state = jax.tree_util.tree_map_with_path(assign, nnx.state(model, nnx.Param))
     if missing_encoder:
@@ -226,9 +247,12 @@ def hf_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
     """The model's parameters as float32 numpy arrays by PyTorch name and layout (tied decoder not repeated)."""
     out = {}
     for keypath, value in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
-        name, transpose = hf_name(_key_names(keypath))
+        paths = per_layer_paths(_key_names(keypath), model.config.num_hidden_layers)
         arr = np.asarray(jax.device_get(value), dtype=np.float32)
-        out[name] = np.ascontiguousarray(arr.T if transpose else arr)
+        for i, path in enumerate(paths):
+            name, transpose = hf_name(path)
+            one = arr if len(paths) == 1 else arr[i]
+            out[name] = np.ascontiguousarray(one.T if transpose else one)
     return out
 
 

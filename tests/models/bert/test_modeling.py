@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jonebit.models.bert import BertConfig, BertForPreTraining, BertForQuestionAnswering, BertModel, load_hf_checkpoint
+from jonebit.models.bert import (
+    BertConfig,
+    BertForPreTraining,
+    BertForQuestionAnswering,
+    BertModel,
+    load_hf_checkpoint,
+    save_hf_checkpoint,
+)
 
 
 @pytest.fixture(scope="module")
@@ -245,3 +252,64 @@ def test_masked_positions_give_the_full_heads_logits_and_loss():
         pretraining_loss(part, {"labels": batch["labels"], "next_sentence_label": batch["next_sentence_label"]})
     with pytest.raises(ValueError, match=r"\[batch, P\]"):
         model(batch["input_ids"], masked_positions=np.zeros((P,), np.int32))
+
+
+def test_scanned_layers_give_the_list_forms_values_and_gradients(tmp_path):
+    """The stacked encoder (``scan_layers=True``) is the same function as the list of layers: the list model's
+    weights, moved into the stacked form through a HuggingFace directory, give its loss and gradients.
+
+    The per-layer arithmetic is the same; the two programs differ in how XLA fuses a loop body against unrolled
+    layers, so float32 rounding differs: a few ulps of each value, well under 1e-5 of the gradients' scale. The
+    attention key bias has an exactly zero gradient (softmax is invariant to a shift along the keys), so both
+    sides hold rounding noise there, compared on the same absolute scale.
+    """
+    from jonebit.models.bert.params import hf_state_dict
+
+    ids, mask = _batch(np.random.default_rng(2))
+
+    def loss(model):
+        out = model(ids, mask, deterministic=True)
+        return jnp.mean(out.prediction_logits**2) + jnp.mean(out.seq_relationship_logits**2)
+
+    listed = BertForPreTraining(_tiny(), rngs=nnx.Rngs(5))
+    save_hf_checkpoint(listed, tmp_path)
+    value, grads = nnx.jit(nnx.value_and_grad(loss))(listed)
+    want = hf_state_dict(_with(BertForPreTraining(_tiny(), rngs=nnx.Rngs(0)), grads))
+    scale = max(float(np.abs(g).max()) for g in want.values())
+    for remat in (False, True):
+        scanned = load_hf_checkpoint(tmp_path, BertForPreTraining, scan_layers=True, remat=remat)
+        leaves = jax.tree.leaves(nnx.state(scanned, nnx.Param))
+        assert any(x.shape[0] == _tiny().num_hidden_layers and x.ndim == 3 for x in leaves)  # really stacked
+        v, g = nnx.jit(nnx.value_and_grad(loss))(scanned)
+        np.testing.assert_allclose(v, value, rtol=1e-6)
+        got = hf_state_dict(_with(BertForPreTraining(_tiny(), scan_layers=True, rngs=nnx.Rngs(0)), g))
+        assert got.keys() == want.keys()
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=0, atol=1e-5 * scale, err_msg=name)
+
+
+def _with(model, state):
+    nnx.update(model, state)
+    return model
+
+
+def test_scanned_layers_draw_their_own_dropout_masks():
+    """``jonebit.nnx.reseed`` gives every dropout stream, and every layer of a stacked stream, its own key derived
+    from the step's key: reproducible from that key, different for another."""
+    from jonebit.nnx import reseed
+
+    model = BertModel(_tiny(), scan_layers=True, rngs=nnx.Rngs(params=0, dropout=1))
+    graphdef, params, keys, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
+    stacked = [x for x in jax.tree.leaves(keys) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) and x.shape]
+    assert stacked and all(x.shape == (_tiny().num_hidden_layers,) for x in stacked)
+    fresh = reseed(keys, jax.random.key(7))
+    new_keys = [jax.random.key_data(x) for x in jax.tree.leaves(fresh)
+                if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
+    flat = np.concatenate([np.asarray(k).reshape(-1, np.asarray(k).shape[-1]) for k in new_keys])
+    assert len({tuple(r) for r in flat}) == len(flat)  # every stream, every layer: its own key
+    ids, mask = _batch(np.random.default_rng(3))
+    a = nnx.merge(graphdef, params, reseed(keys, jax.random.key(7)), rest)(ids, mask).last_hidden_state
+    b = nnx.merge(graphdef, params, reseed(keys, jax.random.key(7)), rest)(ids, mask).last_hidden_state
+    c = nnx.merge(graphdef, params, reseed(keys, jax.random.key(8)), rest)(ids, mask).last_hidden_state
+    np.testing.assert_array_equal(a, b)  # reproducible from the key
+    assert not np.allclose(a, c)
