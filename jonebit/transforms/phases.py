@@ -94,7 +94,7 @@ class PhasePrograms:
     ``build(phases)`` returns the jitted step for ``phases`` (as :func:`next_phases` gives them, ``None``: the one
     program with every phase); a call runs the program for the phases of the state at ``state_arg``
     (:meth:`program`). :meth:`lower` lowers the one program with every phase, whose conditional's branches the
-    communication accounting reads phase by phase.
+    communication accounting reads phase by phase, or the program of given phases.
     """
 
     def __init__(self, build: Callable, state_arg: int = 1):
@@ -109,10 +109,12 @@ class PhasePrograms:
     def __call__(self, *args, **kwargs):
         return self.program(*args)(*args, **kwargs)
 
-    def lower(self, *args, **kwargs):
-        if None not in self._programs:
-            self._programs[None] = self._build(None)
-        return self._programs[None].lower(*args, **kwargs)
+    def lower(self, *args, phases: tuple | None = None, **kwargs):
+        """Lowers the one program with every phase, or with ``phases`` (as :func:`next_phases` gives them, e.g.
+        ``((OneBitAdamState, "compression"),)``) the program of those phases, from abstract arguments too."""
+        if phases not in self._programs:
+            self._programs[phases] = self._build(phases)
+        return self._programs[phases].lower(*args, **kwargs)
 
     def _cache_size(self) -> int:
         return sum(p._cache_size() for p in self._programs.values())

@@ -1,0 +1,54 @@
+"""The compiled-peak table of benchmarks/BENCHMARKS.md is its result file's, and the file holds what the text
+claims: stage 3 at most half of stage 2's peak for the 24-layer model, within 15% of the model states plus one
+gathered layer plus the activations."""
+
+import json
+import math
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+RESULT = ROOT / "benchmarks" / "results" / "zero_peak" / "zero_peak.json"
+
+
+def _cell(v) -> str:
+    return "-" if math.isnan(v) else f"{v:,.0f}"
+
+
+def _row(x) -> str:
+    ratio = "-" if math.isnan(x["ratio"]) else f"{x['ratio']:.2f}"
+    return (f"| {x['model']} | {x['optimizer']} | {x['variant']} | {_cell(x['peak'])} | {_cell(x['args'])} | "
+            f"{_cell(x['temp'])} | {x['states_formula']} = {_cell(x['states'])} | {_cell(x['working'])} | "
+            f"{_cell(x['activations'])} | {_cell(x['expected'])} | {ratio} |")
+
+
+def test_the_docs_table_is_the_result_file():
+    rows = json.loads(RESULT.read_text())["rows"]
+    text = (ROOT / "benchmarks" / "BENCHMARKS.md").read_text()
+    assert len(rows) == 16
+    for x in rows:
+        assert _row(x) in text, _row(x)
+
+
+def test_the_result_file_holds_the_claims():
+    rows = json.loads(RESULT.read_text())["rows"]
+    adamw = {(x["model"], x["variant"]): x for x in rows if x["optimizer"] == "adamw"}
+    large3, large2 = adamw["large", "3"], adamw["large", "2"]
+    assert large3["layers"] == 24 and large3["hidden"] == 1024
+    ratio = large3["peak"] / large2["peak"]
+    assert ratio <= 0.5
+    assert f"**stage 3 needs {ratio:.2f}x of stage 2's peak for the 24-layer model" in (
+        ROOT / "benchmarks" / "BENCHMARKS.md").read_text()
+    for model in ("base", "large"):
+        assert abs(adamw[model, "3"]["ratio"] - 1) <= 0.15
+
+
+def test_the_guides_quote_the_result_file():
+    rows = json.loads(RESULT.read_text())["rows"]
+    adamw = {(x["model"], x["variant"]): x for x in rows if x["optimizer"] == "adamw"}
+    s3, s2 = adamw["large", "3"]["peak"], adamw["large", "2"]["peak"]
+    for page, quote in (("docs/results.md", f"{s3 / s2:.2f}x stage 2's for a 24-layer x 1024 BERT ({s3:,.0f} "
+                                            f"against {s2:,.0f} MB per device"),
+                        ("docs/zero.md", f"stage 3 peaks at {s3:,.0f} MB per device\nagainst stage 2's {s2:,.0f} MB "
+                                         f"({s3 / s2:.2f}x)")):
+        text = (ROOT / page).read_text()
+        assert " ".join(quote.split()) in " ".join(text.split()), (page, quote)
