@@ -31,6 +31,8 @@ from flax import nnx
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from jonebit.comm.quantized_gather import quantized_all_gather
+
 STACKED_KEY = "stacked_layers"
 # The rematerialisation name of a gathered layer's parameters (for policies of users' own checkpoints).
 GATHERED_NAME = "zero_gathered_layer"
@@ -39,6 +41,7 @@ class _Gathering(NamedTuple):
     axis: str
     compute_dtype: Any
     reduce_dtype: Any
+    quantize: bool
 
 
 _GATHERING: contextvars.ContextVar[_Gathering | None] = contextvars.ContextVar("jonebit_layerwise", default=None)
@@ -62,31 +65,35 @@ def stacked_mask(tree):
 
 
 @contextlib.contextmanager
-def gathering(axis: str, *, compute_dtype=None, reduce_dtype=None) -> Iterator[None]:
+def gathering(axis: str, *, compute_dtype=None, reduce_dtype=None, quantize: bool = False) -> Iterator[None]:
     """While tracing inside ``shard_map`` over ``axis``: stacked layers arrive as shards and :func:`scan_layers`
     all-gathers each layer's slice over ``axis`` where it runs. Set by the ZeRO stage-3 steps.
 
     ``compute_dtype``: the shards are cast to it before the gather (half the bytes of float32 in bf16).
     ``reduce_dtype``: the dtype the gradient is reduce-scattered in (default: the shard's own, float32 for float32
     master parameters, as the other leaves' gradients are reduced).
+    ``quantize``: gather int8 values with a scale per block (:mod:`jonebit.comm.quantized_gather`); the gradient
+    flows straight through to the exact shard.
     """
-    token = _GATHERING.set(_Gathering(axis, compute_dtype, reduce_dtype))
+    token = _GATHERING.set(_Gathering(axis, compute_dtype, reduce_dtype, quantize))
     try:
         yield
     finally:
         _GATHERING.reset(token)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _gather(x, axis: str, dim: int, compute_dtype, reduce_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _gather(x, axis: str, dim: int, compute_dtype, reduce_dtype, quantize: bool):
+    if quantize:
+        return quantized_all_gather(x, axis, dim, compute_dtype)
     return lax.all_gather(x.astype(compute_dtype), axis, axis=dim, tiled=True)
 
 
-def _gather_fwd(x, axis, dim, compute_dtype, reduce_dtype):
-    return _gather(x, axis, dim, compute_dtype, reduce_dtype), jnp.zeros((), x.dtype)
+def _gather_fwd(x, axis, dim, compute_dtype, reduce_dtype, quantize):
+    return _gather(x, axis, dim, compute_dtype, reduce_dtype, quantize), jnp.zeros((), x.dtype)
 
 
-def _gather_bwd(axis, dim, compute_dtype, reduce_dtype, like, ct):
+def _gather_bwd(axis, dim, compute_dtype, reduce_dtype, quantize, like, ct):
     # The transpose of the gather, but summed in reduce_dtype: a bf16 cotangent summed over the ranks in bf16
     # would round the gradient at every partial sum, where the other leaves' gradients are reduced in float32.
     summed = lax.psum_scatter(ct.astype(reduce_dtype), axis, scatter_dimension=dim, tiled=True)
@@ -111,7 +118,7 @@ def _gather_layer(params, full, how: _Gathering):
                              f"(size {size}) into {f.shape}")
         compute = x.dtype if how.compute_dtype is None else jnp.dtype(how.compute_dtype)
         reduce = x.dtype if how.reduce_dtype is None else jnp.dtype(how.reduce_dtype)
-        return checkpoint_name(_gather(x, how.axis, d, compute, reduce), GATHERED_NAME)
+        return checkpoint_name(_gather(x, how.axis, d, compute, reduce, how.quantize), GATHERED_NAME)
 
     return jax.tree.map(one, params, full)
 

@@ -164,10 +164,12 @@ class OffloadConfig:
 
 @dataclass(frozen=True)
 class ZeroConfig:
-    """``zero_optimization``: the ZeRO ``stage`` (0-3) and optimizer offload."""
+    """``zero_optimization``: the ZeRO ``stage`` (0-3), optimizer offload, and ``zero_quantized_weights``
+    (ZeRO++'s int8 parameter gather at stage 3)."""
 
     stage: int = 0
     offload_optimizer: OffloadConfig = OffloadConfig()
+    zero_quantized_weights: bool = False
 
 
 @dataclass(frozen=True)
@@ -453,7 +455,8 @@ ZERO_STAGES = (0, 1, 2, 3)
 
 
 def _parse_zero(raw: Mapping) -> ZeroConfig:
-    _check_keys(raw, "zero_optimization", ("stage", "offload_optimizer", "offload_param"), _ZERO_IGNORED)
+    _check_keys(raw, "zero_optimization", ("stage", "offload_optimizer", "offload_param", "zero_quantized_weights"),
+                _ZERO_IGNORED)
     stage = _int(raw.get("stage", 0), "zero_optimization.stage")
     if stage not in ZERO_STAGES:
         raise ConfigError("zero_optimization.stage", f"expected 0, 1, 2 or 3, got {stage}")
@@ -482,7 +485,12 @@ def _parse_zero(raw: Mapping) -> ZeroConfig:
         if device != "none":
             raise ConfigError("zero_optimization.offload_param.device",
                               f"parameter offload is not supported; expected \"none\", got {device!r}")
-    return ZeroConfig(stage, offload)
+    quantized = _bool(raw.get("zero_quantized_weights", False), "zero_optimization.zero_quantized_weights")
+    if quantized and stage != 3:
+        raise ConfigError("zero_optimization.zero_quantized_weights",
+                          f"quantizes stage 3's parameter gather; set zero_optimization.stage to 3 (it is {stage}) "
+                          "or drop the key")
+    return ZeroConfig(stage, offload, quantized)
 
 
 def _canonical(type_name, names: Mapping[str, str], key: str, what: str) -> str:

@@ -373,6 +373,7 @@ def make_train_step(
     offload_optimizer: bool = False,
     mpi_comm: Any = None,
     per_phase: bool = True,
+    quantized_weights: bool = False,
 ):
     """Builds ``step(state, batch) -> (state, metrics)``, jitted.
 
@@ -407,6 +408,9 @@ def make_train_step(
       per_phase: compile one program per phase of a 1-bit optimizer, picked on the host before each step from
         the phase the state says comes next (:mod:`jonebit.transforms.phases`); ``False``: one program with
         every phase, switched on the device.
+      quantized_weights: at ZeRO stage 3 with a standard optimizer, gather the parameters as int8 with a float32
+        scale per block of 256 (ZeRO++'s qwZ; :mod:`jonebit.comm.quantized_gather`): about a quarter of the
+        float32 bytes; the master parameters and the gradients stay exact.
 
     Returns:
       ``step(state, batch)``: ``batch`` is the global batch (leaves with a leading dimension of
@@ -417,6 +421,10 @@ def make_train_step(
     """
     if grad_reduce not in _REDUCE:
         raise ValueError(f"grad_reduce must be one of {_REDUCE}, got {grad_reduce!r}")
+    if quantized_weights and (zero_stage != 3 or grad_reduce is None):
+        raise ValueError("make_train_step: quantized_weights quantizes ZeRO stage 3's parameter gather: it needs "
+                         f"zero_stage=3 and a standard optimizer (grad_reduce=\"mean\"); got zero_stage="
+                         f"{zero_stage}, grad_reduce={grad_reduce!r}")
     if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int | np.integer) \
             or accumulation_steps < 1:
         raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
@@ -536,7 +544,7 @@ def make_train_step(
                       donate_argnums=donated)
     else:
         fn = _zero_step(local_grads, loss_metrics, tx, mesh, specs, scaling, dtype, axis, state_dev,
-                        state_shardings, offload_optimizer)
+                        state_shardings, offload_optimizer, quantized_weights)
         jit_kw = dict(in_shardings=(state_shardings, batch_sharding), out_shardings=(state_shardings, replicated),
                       donate_argnums=donated)
 
@@ -675,7 +683,7 @@ def make_train_step(
 
 
 def _zero_step(local_grads, loss_metrics, tx, mesh, specs: TrainState, scaling: LossScaling, dtype, axis: str,
-               state_dev, state_shardings: TrainState, offload: bool):
+               state_dev, state_shardings: TrainState, offload: bool, quantize: bool = False):
     """The step of a standard optimizer at ZeRO stage 1-3 (global view around one ``shard_map``)."""
     size = mesh.shape[axis]
 
@@ -694,9 +702,9 @@ def _zero_step(local_grads, loss_metrics, tx, mesh, specs: TrainState, scaling: 
         def grads_body(params, step_count, scale, batch):
             # Stage 3: gather each shard once per optimizer step, in the compute dtype (the cast commutes with
             # the gather); all-gather results already vary over the axis, so autodiff adds no collective.
-            local = gather_shards(params, param_specs, axis, dtype)
+            local = gather_shards(params, param_specs, axis, dtype, quantize)
             # Stacked layers: each layer's shards cast and gathered where it runs, gradients reduced in float32.
-            with gathering(axis, compute_dtype=dtype, reduce_dtype=jnp.float32):
+            with gathering(axis, compute_dtype=dtype, reduce_dtype=jnp.float32, quantize=quantize):
                 grads, losses, auxes = local_grads(local, step_count, scale, batch,
                                                    gathered_mask(params, param_specs, axis))
             grads = reduce_scatter(grads, grad_specs, axis, size, param_specs)

@@ -220,6 +220,9 @@ def initialize(
         raise
     # A 1-bit optimizer (from the config or given) does its own communication on local gradients.
     onebit = takes_local_gradients(state.opt_state)
+    if onebit and zero.zero_quantized_weights:
+        raise ConfigError("zero_optimization.zero_quantized_weights",
+                          "the 1-bit optimizers gather their stage-3 parameters themselves, unquantized; drop the key")
     freeze_step = None
     if onebit and opt is not None and opt.type in ONEBIT_OPTIMIZERS and "freeze_step" in opt.params:
         f = opt.params["freeze_step"]
@@ -228,6 +231,7 @@ def initialize(
         loss_fn, tx, mesh, specs, accumulation_steps=batch.gradient_accumulation_steps, compute_dtype=compute,
         loss_scaling=scaling, grad_reduce=None if onebit else "mean", axis=axis, has_aux=has_aux,
         rng_seed=rng_seed, zero_stage=stage, offload_optimizer=offload, mpi_comm=mpi_comm,
+        quantized_weights=bool(zero.zero_quantized_weights),
     )
     return Engine(config=config, batch=batch, tx=tx, step=step, state=state, learning_rate=learning_rate,
                   freeze_step=freeze_step, mesh=mesh, mpi_comm=mpi_comm)

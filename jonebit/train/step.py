@@ -28,6 +28,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jonebit.comm.backends import as_varying
+from jonebit.comm.quantized_gather import quantized_all_gather
 from jonebit.sharding.layerwise import is_stacked
 from jonebit.train.onebit_zero import FlatParams
 
@@ -165,14 +166,20 @@ def gathered_mask(params, param_specs, axis: str):
                                             param_specs)
 
 
-def gather_shards(params, param_specs, axis: str, compute_dtype=None):
+def gather_shards(params, param_specs, axis: str, compute_dtype=None, quantize: bool = False):
     """Standard ZeRO-3: every parameter shard all-gathered over ``axis`` (in ``compute_dtype`` when given), each
     leaf typed varying so that its gradient is this device's own. The shards of stacked layers stay shards: the
-    model gathers them one layer at a time (trace its loss under :func:`jonebit.sharding.layerwise.gathering`)."""
+    model gathers them one layer at a time (trace its loss under :func:`jonebit.sharding.layerwise.gathering`).
+    ``quantize``: int8 values with a float32 scale per block on the wire
+    (:func:`jonebit.comm.quantized_gather.quantized_all_gather`)."""
     def one(path, p, spec):
         d = axis_dim(spec, axis)
         if d is not None and not gathered_by_model(path, spec, axis):
-            p = lax.all_gather(p if compute_dtype is None else p.astype(compute_dtype), axis, axis=d, tiled=True)
+            dtype = p.dtype if compute_dtype is None else compute_dtype
+            if quantize:
+                p = quantized_all_gather(p, axis, d, dtype)
+            else:
+                p = lax.all_gather(p.astype(dtype), axis, axis=d, tiled=True)
         return as_varying(p, axis)
 
     return jax.tree_util.tree_map_with_path(one, params, param_specs)

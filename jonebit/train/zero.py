@@ -158,7 +158,8 @@ def make_zero_grads(
     return _grads_fn(loss_fn, mesh, axis, param_specs, grad_specs, batch_spec, reduce_dtype)
 
 
-def _grads_fn(loss_fn, mesh, axis: str, param_specs, grad_specs, batch_spec, reduce_dtype, with_norm=False):
+def _grads_fn(loss_fn, mesh, axis: str, param_specs, grad_specs, batch_spec, reduce_dtype, with_norm=False,
+              quantize=False):
     size = mesh.shape[axis]
     batch_spec = P(axis) if batch_spec is None else batch_spec
 
@@ -166,9 +167,9 @@ def _grads_fn(loss_fn, mesh, axis: str, param_specs, grad_specs, batch_spec, red
         # Stage 3: the shards are gathered once (those of stacked layers one layer at a time, inside the model);
         # each device's gradient of the gathered tree is then reduce-scattered back into the shards, so no device
         # holds the summed full gradient.
-        local = gather_shards(params, param_specs, axis)
+        local = gather_shards(params, param_specs, axis, quantize=quantize)
         # Stacked layers: each layer's shards gathered where it runs, gradients reduced in reduce_dtype.
-        with gathering(axis, reduce_dtype=reduce_dtype):
+        with gathering(axis, reduce_dtype=reduce_dtype, quantize=quantize):
             grads, losses, _ = local_gradients(loss_fn, local, batch, axis=axis)
         if reduce_dtype is not None:
             grads = jax.tree.map(lambda g: g.astype(reduce_dtype), grads)
@@ -209,6 +210,7 @@ def make_zero_step(
     reduce_dtype=None,
     donate: bool = True,
     per_phase: bool = True,
+    quantized_weights: bool = False,
 ):
     """Builds ``step(params, opt_state, batch) -> (params, opt_state, loss)`` for ``shardings``' ZeRO stage.
 
@@ -223,6 +225,9 @@ def make_zero_step(
       donate: donate params and optimizer state.
       per_phase: with 1-bit Adam, one program per phase, picked on the host before each step
         (:mod:`jonebit.transforms.phases`); ``False``: one program with every phase.
+      quantized_weights: stage 3 with a standard optimizer: gather the parameters as int8 with a float32 scale
+        per block of 256 (ZeRO++'s qwZ, :mod:`jonebit.comm.quantized_gather`), about a quarter of the float32
+        bytes; the parameters, optimizer state and gradients themselves stay exact.
 
     The step is one ``jax.jit``; the loss returned is the mean over all devices.
 
@@ -232,12 +237,16 @@ def make_zero_step(
     returned loss, computed before the check, shows the bad value. The 1-bit optimizers' path does the same.
     """
     batch_spec = P(shardings.axis) if batch_spec is None else batch_spec
+    if quantized_weights and (shardings.stage != 3 or uses_onebit(shardings)):
+        raise ValueError("make_zero_step: quantized_weights quantizes stage 3's parameter gather; it needs stage 3 "
+                         f"and a standard optimizer (got stage {shardings.stage}"
+                         f"{', a 1-bit optimizer' if uses_onebit(shardings) else ''})")
     if uses_onebit(shardings):
         if reduce_dtype is not None:
             raise ValueError("make_zero_step: the 1-bit optimizers do their own communication; drop reduce_dtype")
         step = _make_onebit_step(loss_fn, tx, mesh, shardings, batch_spec, donate, per_phase)
     else:
-        step = _make_step(loss_fn, tx, mesh, shardings, batch_spec, reduce_dtype, donate)
+        step = _make_step(loss_fn, tx, mesh, shardings, batch_spec, reduce_dtype, donate, quantized_weights)
     return CheckedStep(step, lambda batch: check_batch(batch, mesh, batch_spec, where="make_zero_step's step"))
 
 
@@ -265,7 +274,8 @@ class CheckedStep:
         return getattr(self._jitted, name)
 
 
-def _make_step(loss_fn, tx, mesh, shardings: ZeroShardings, batch_spec, reduce_dtype, donate: bool):
+def _make_step(loss_fn, tx, mesh, shardings: ZeroShardings, batch_spec, reduce_dtype, donate: bool,
+               quantize: bool = False):
     axis = shardings.axis
     param_specs = jax.tree.map(_spec, shardings.params)
     state_dev = _device_shardings(shardings.opt_state) if shardings.offload_optimizer else shardings.opt_state
@@ -275,7 +285,7 @@ def _make_step(loss_fn, tx, mesh, shardings: ZeroShardings, batch_spec, reduce_d
         batch = jax.tree.map(lambda b: jax.sharding.reshard(b, batch_sharding), batch)
         grad_specs = _update_grad_specs(params, shardings, mesh)
         grads, loss, grad_norm_sq = _grads_fn(loss_fn, mesh, axis, param_specs, grad_specs, batch_spec, reduce_dtype,
-                                         with_norm=True)(params, batch)
+                                              with_norm=True, quantize=quantize)(params, batch)
         if shardings.offload_optimizer:
             opt_state = jax.device_put(opt_state, state_dev)
         old_state = opt_state

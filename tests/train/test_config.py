@@ -202,6 +202,11 @@ BAD = [
      "zero_optimization.offload_optimizer.device", r"needs ZeRO stage 1, 2 or 3"),
     (edit(BASE, "zero_optimization", {"stage": 3, "offload_param": {"device": "cpu"}}),
      "zero_optimization.offload_param.device", r"parameter offload is not supported"),
+    (edit(BASE, "zero_optimization", {"stage": 2, "zero_quantized_weights": True}),
+     "zero_optimization.zero_quantized_weights", r"quantizes stage 3's parameter gather; set zero_optimization.stage "
+     r"to 3 \(it is 2\)"),
+    (edit(BASE, "zero_optimization", {"stage": 3, "zero_quantized_weights": "yes"}),
+     "zero_optimization.zero_quantized_weights", r"expected true or false"),
     (sched("WarmupDecayLR", warmup_max_lr=1e-3), "scheduler.params.total_num_steps", r"required parameter is missing"),
     (sched("OneCycle", cycle_min_lr=1e-4), "scheduler.params.cycle_max_lr", r"required parameter is missing"),
     (edit(sched("WarmupCosineLR", total_num_steps=100), "optimizer", ...), "optimizer",

@@ -170,6 +170,9 @@ class _Repeat:
     ({"train_batch_size": 30}, r"train_batch_size"),
     ({"optimizer": {"type": "ZeroOneAdam", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 1}},
      r"zero_optimization.stage.*ZeroOneAdam runs at ZeRO stage 0 only"),
+    ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 5}},
+      "zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
+     r"zero_quantized_weights.*1-bit optimizers gather their stage-3 parameters themselves"),
 ])
 def test_refused_configs(update, pattern):
     cfg = {"train_batch_size": 32, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}

@@ -21,6 +21,7 @@ import pytest
 from flax import nnx
 from jax.extend.core import Literal
 
+from jonebit.comm.accounting import comm_report
 from jonebit.models.bert import BertConfig, BertForPreTraining, pretraining_loss
 from jonebit.sharding.layerwise import STACKED_KEY
 from jonebit.sharding.mesh import data_mesh
@@ -72,9 +73,23 @@ def zero_run(stage: int):
     loss_fn, params = _parts()
     p, s, sh = init_zero(tx(), params, mesh(), stage=stage)
     step = make_zero_step(loss_fn, tx(), mesh(), sh)
+    losses = []
     for i in range(STEPS):
-        p, s, _ = step(p, s, batch(i))
-    return jax.device_get(p), step, (p, s)
+        p, s, loss = step(p, s, batch(i))
+        losses.append(float(loss))
+    return jax.device_get(p), step, (p, s), losses
+
+
+@functools.cache
+def quantized_run():
+    loss_fn, params = _parts()
+    p, s, sh = init_zero(tx(), params, mesh(), stage=3)
+    step = make_zero_step(loss_fn, tx(), mesh(), sh, quantized_weights=True)
+    losses = []
+    for i in range(STEPS):
+        p, s, loss = step(p, s, batch(i))
+        losses.append(float(loss))
+    return jax.device_get(p), step, losses, sh
 
 
 @functools.cache
@@ -98,8 +113,8 @@ def test_float32_parameters_are_stage_0s():
     sum the same float32 local gradients, in another order: the gradients differ by a few ulps, and Adam's
     division by sqrt(v) turns rounding in near-zero gradient entries into update differences of at most a few
     1e-6 at lr 1e-3 over 20 steps (the bound of tests/train/test_zero.py's stages against a reference)."""
-    stage3, _, _ = zero_run(3)
-    stage0, _, _ = zero_run(0)
+    stage3 = zero_run(3)[0]
+    stage0 = zero_run(0)[0]
     _, init = _parts()
     assert diffs(stage3, stage0).max() < 2e-5
     assert diffs(stage0, init).max() > 1000 * 2e-5  # the run moved the parameters far beyond the tolerance
@@ -124,7 +139,7 @@ _ALL_GATHER = re.compile(r"=\s*(?P<type>[a-z0-9]+)\[(?P<shape>[\d,]*)\][^=]*?\sa
 
 
 def test_each_layer_is_gathered_inside_the_scan_and_independently_of_the_previous_layer():
-    _, step, (p, s) = zero_run(3)
+    _, step, (p, s), _ = zero_run(3)
     b = batch(0)
     hlo = step.lower(p, s, b).compile().as_text()
     gathered = [tuple(int(d) for d in m["shape"].split(",") if d) for m in _ALL_GATHER.finditer(hlo)]
@@ -180,6 +195,56 @@ def _gathers(jaxpr, in_deps):
             yield from _gathers(sub, inner)
         for v in eqn.outvars:
             deps[v] = d
+
+
+def _compiled_gathers(step, p, s):
+    """The compiled step's all-gathers: ``(element type, result bytes, executions per step)``."""
+    hlo = step.lower(p, s, batch(0)).compile().as_text()
+    return [(c.dtypes, c.result_bytes, c.trips) for c in comm_report(hlo, N).always if c.op == "all-gather"]
+
+
+def test_quantized_gather_sends_int8_and_block_scales_and_trains_like_the_exact_gather():
+    """``quantized_weights``: each float32 gather of the exact stage-3 step (m elements per rank, N ranks) becomes
+    an int8 gather of N b s bytes (b = ceil(m / 256) blocks of s = ceil(m / b) elements) and a float32 gather of
+    its N b block scales, executed as often; the parameters stay float32 and the run learns as the exact one
+    does."""
+    _, exact_step, (p, s), exact_losses = zero_run(3)
+    q_params, q_step, q_losses, _ = quantized_run()
+    exact, quant = _compiled_gathers(exact_step, p, s), _compiled_gathers(q_step, p, s)
+    assert exact and {d for d, _, _ in exact} == {("f32",)}
+    want = {"s8": 0, "f32": 0}
+    for _, nbytes, trips in exact:
+        m = nbytes // 4 // N
+        blocks = -(-m // 256)
+        want["s8"] += N * blocks * -(-m // blocks) * trips
+        want["f32"] += N * blocks * 4 * trips
+    got = {"s8": 0, "f32": 0}
+    for (dtype,), nbytes, trips in quant:
+        got[dtype] += nbytes * trips
+    assert got == want
+    float32_bytes = sum(nbytes * trips for _, nbytes, trips in exact)
+    # int8 + a scale per block: a quarter of the float32 bytes, and for this model's small shards (4-32 elements
+    # per rank) one scale per shard, 4 bytes on 4-32.
+    assert (got["s8"] + got["f32"]) / float32_bytes < 0.5
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(q_params))
+
+    # Training: the quantized forward sees each weight within half a step (max |block| / 254, 0.4% of the block's
+    # largest) of its value, a perturbation of the loss far below what 20 steps of training move it: every step's
+    # loss stays within 5% of the exact run's total decrease of it, and the parameters within 10% (L2) of how far
+    # the exact run moved them. An untrained or diverging run fails both.
+    drop = exact_losses[0] - exact_losses[-1]
+    assert drop > 0.1
+    assert np.abs(np.array(q_losses) - np.array(exact_losses)).max() <= 0.05 * drop
+    exact_params = zero_run(3)[0]
+    moved = np.linalg.norm(diffs(exact_params, _parts()[1]))
+    assert np.linalg.norm(diffs(q_params, exact_params)) <= 0.1 * moved
+
+
+def test_quantized_weights_errors():
+    loss_fn, params = _parts()
+    _, _, sh = init_zero(tx(), params, mesh(), stage=2)
+    with pytest.raises(ValueError, match="quantized_weights.*needs stage 3"):
+        make_zero_step(loss_fn, tx(), mesh(), sh, quantized_weights=True)
 
 
 def test_initialize_at_stage_3_resumes_exactly(tmp_path):
