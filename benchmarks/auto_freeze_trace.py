@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     prep = argparse.Namespace(corpus=None, vocab=None, vocab_size=2000, seq_len=args.seq_len, max_predictions=20,
                               dupe_factor=5, seed=args.seed, heldout_documents=6, whole_word_mask=False,
                               data_dir=None, overwrite_data=False)
-    data_dir, vocab = _prepare_data(prep, work)
+    data_dir, vocab, _ = _prepare_data(prep, work)
     cfg = default_configs(args.steps, args.batch_size, lr=args.lr)["onebit_adam"]
     cfg["optimizer"]["params"]["freeze_step"] = 10 ** 6  # warmup throughout: Adam on the mean gradient
     tokenizer = load_wordpiece(vocab)

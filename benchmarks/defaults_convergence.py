@@ -119,7 +119,7 @@ def main(argv=None) -> int:
                               max_predictions=20, dupe_factor=args.dupe_factor, seed=args.seed,
                               heldout_documents=args.heldout_documents, whole_word_mask=False, data_dir=None,
                               overwrite_data=False)
-    data_dir, vocab = _prepare_data(prep, work)
+    data_dir, vocab, _ = _prepare_data(prep, work)
     configs = default_configs(args.steps, args.batch_size, lr=args.lr)
     rows, outputs = [], []
     for name in args.variants:

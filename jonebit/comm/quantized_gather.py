@@ -71,4 +71,11 @@ def wire_bytes_per_element(block: int = BLOCK) -> float:
     return 1 + 4 / block
 
 
-__all__ = ["BLOCK", "block_size", "dequantize_blockwise", "quantize_blockwise", "quantized_all_gather", "wire_bytes_per_element"]
+__all__ = [
+    "BLOCK",
+    "block_size",
+    "dequantize_blockwise",
+    "quantize_blockwise",
+    "quantized_all_gather",
+    "wire_bytes_per_element",
+]

@@ -88,6 +88,26 @@ def test_zero_one_adam_config_pretrains_and_exports(tmp_path):
     assert np.isfinite(np.asarray(exported.bert.encoder.layer[0].attention.self.query.kernel.value)).all()
 
 
+def test_zero_stage_3_config_pretrains_the_stacked_encoder_and_exports_per_layer_tensors(tmp_path):
+    """A ZeRO stage-3 config (with ZeRO++'s quantized weights) through ``jonebit pretrain``: the model is built with
+    the stacked encoder (gathered layer by layer), trains, and its export has HuggingFace's per-layer tensors."""
+    import safetensors.numpy as stnp
+
+    cfg = {"train_batch_size": 32, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
+           "zero_optimization": {"stage": 3, "zero_quantized_weights": True}}
+    (tmp_path / "z3.json").write_text(json.dumps(cfg))
+    out = tmp_path / "run"
+    assert main(["pretrain", "--config", str(tmp_path / "z3.json"), "--output", str(out), "--max-steps", "6",
+                 "--seq-len", "32", "--vocab-size", "400", "--dupe-factor", "1", "--heldout-documents", "4"]) == 0
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 7)) and records[-1]["loss"] < records[0]["loss"]
+    tensors = stnp.load_file(out / "hf" / "model.safetensors")
+    assert {"bert.encoder.layer.0.attention.self.query.weight", "bert.encoder.layer.1.output.dense.weight"} <= set(
+        tensors)
+    assert not any("stacked" in name for name in tensors)
+
+
 def test_a_run_refuses_a_changed_model_and_no_resume_over_checkpoints(run_dir, capsys):
     """The resume wiring of ``jonebit pretrain`` on the embedded run's output: a changed model is refused (the
     saved state depends on it), and so is --no-resume where checkpoints exist. (Resuming, and the warning about a
