@@ -97,6 +97,18 @@ def build_model(name: str, vocab_size: int, seq_len: int, seed: int, dtype=None,
                               scan_layers=scan_layers, rngs=nnx.Rngs(params=seed, dropout=seed + 1))
 
 
+# Optimizers whose update is element-wise: a stacked leaf is the same to them as its layers' tensors. LAMB's trust
+# ratio and the 1-bit optimizers' compression scales are per tensor, and would become per stack.
+ELEMENTWISE_OPTIMIZERS = ("Adam", "AdamW")
+
+
+def stacks_layers(cfg) -> bool:
+    """Whether to build the stacked encoder: ZeRO stage 3 gathers it layer by layer, with an element-wise optimizer
+    (for the others the layers stay separate tensors, and stage 3 gathers them at the step's start)."""
+    return cfg.zero_optimization.stage == 3 and cfg.optimizer is not None and \
+        cfg.optimizer.type in ELEMENTWISE_OPTIMIZERS
+
+
 def make_loss(graphdef, keys, rest):
     """``loss_fn(params, batch, rng)``: MLM + NSP loss, dropout drawn from the engine's key.
 
@@ -198,9 +210,8 @@ def run(
 
     tokenizer = load_wordpiece(vocab_file)
     cfg = load_config(config)
-    # ZeRO stage 3 gathers the parameters layer by layer, which needs the stacked encoder.
     net = build_model(model, tokenizer.vocab_size, seq_len, seed, dtype=compute_dtype(cfg),
-                      scan_layers=cfg.zero_optimization.stage == 3)
+                      scan_layers=stacks_layers(cfg))
     if net.config.max_position_embeddings < seq_len:
         raise ValueError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings "
                          f"{net.config.max_position_embeddings}")

@@ -112,6 +112,10 @@ def _gather_layer(params, full, how: _Gathering):
         short = [d for d, (a, b) in enumerate(zip(x.shape, f.shape, strict=True)) if a != b]
         if not short:
             return x
+        if len(short) > 1:
+            raise ValueError(f"stacked layer leaf of local shape {x.shape} is split on several dimensions of its "
+                             f"{f.shape}; layer-wise gathering supports a stack split over the data axis {how.axis!r} "
+                             "alone (no model-parallel axes)")
         (d,) = short
         if x.shape[d] * size != f.shape[d]:
             raise ValueError(f"stacked layer leaf of local shape {x.shape} cannot be gathered over {how.axis!r} "

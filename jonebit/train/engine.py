@@ -42,6 +42,7 @@ The step returns the new :class:`TrainState` and a dict of scalar metrics (``los
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from collections.abc import Callable
@@ -409,8 +410,8 @@ def make_train_step(
         the phase the state says comes next (:mod:`jonebit.transforms.phases`); ``False``: one program with
         every phase, switched on the device.
       quantized_weights: at ZeRO stage 3 with a standard optimizer, gather the parameters as int8 with a float32
-        scale per block of 256 (ZeRO++'s qwZ; :mod:`jonebit.comm.quantized_gather`): about a quarter of the
-        float32 bytes; the master parameters and the gradients stay exact.
+        scale per block of 256 (ZeRO++'s qwZ; :mod:`jonebit.comm.quantized_gather`): about a quarter of
+        float32's bytes and half of bf16's; the master parameters and the gradients stay exact.
 
     Returns:
       ``step(state, batch)``: ``batch`` is the global batch (leaves with a leading dimension of
@@ -703,10 +704,13 @@ def _zero_step(local_grads, loss_metrics, tx, mesh, specs: TrainState, scaling: 
             # Stage 3: gather each shard once per optimizer step, in the compute dtype (the cast commutes with
             # the gather); all-gather results already vary over the axis, so autodiff adds no collective.
             local = gather_shards(params, param_specs, axis, dtype, quantize)
-            # Stacked layers: each layer's shards cast and gathered where it runs, gradients reduced in float32.
-            with gathering(axis, compute_dtype=dtype, reduce_dtype=jnp.float32, quantize=quantize):
-                grads, losses, auxes = local_grads(local, step_count, scale, batch,
-                                                   gathered_mask(params, param_specs, axis))
+            # Stacked layers (stage 3): each layer's shards cast and gathered where it runs, gradients reduced in
+            # float32.
+            mine = gathered_mask(params, param_specs, axis)
+            layerwise = gathering(axis, compute_dtype=dtype, reduce_dtype=jnp.float32, quantize=quantize) if any(
+                jax.tree.leaves(mine)) else contextlib.nullcontext()
+            with layerwise:
+                grads, losses, auxes = local_grads(local, step_count, scale, batch, mine)
             grads = reduce_scatter(grads, grad_specs, axis, size, param_specs)
             grad_norm_sq = sharded_norm_sq(grads, grad_specs, axis)
             return grads, loss_metrics(losses, auxes, scale, nonfinite(grad_norm_sq), jnp.sqrt(grad_norm_sq))

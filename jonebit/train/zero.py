@@ -31,6 +31,7 @@ their whole step runs in the per-device view, and :func:`make_zero_step` builds 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -60,6 +61,7 @@ from jonebit.train.onebit_zero import (
 from jonebit.train.step import (
     apply_optimizer,
     gather_shards,
+    gathered_mask,
     keep_if,
     local_gradients,
     local_view,
@@ -168,8 +170,10 @@ def _grads_fn(loss_fn, mesh, axis: str, param_specs, grad_specs, batch_spec, red
         # each device's gradient of the gathered tree is then reduce-scattered back into the shards, so no device
         # holds the summed full gradient.
         local = gather_shards(params, param_specs, axis, quantize=quantize)
-        # Stacked layers: each layer's shards gathered where it runs, gradients reduced in reduce_dtype.
-        with gathering(axis, reduce_dtype=reduce_dtype, quantize=quantize):
+        # Stacked layers (stage 3): each layer's shards gathered where it runs, gradients reduced in reduce_dtype.
+        layerwise = gathering(axis, reduce_dtype=reduce_dtype, quantize=quantize) if any(
+            jax.tree.leaves(gathered_mask(params, param_specs, axis))) else contextlib.nullcontext()
+        with layerwise:
             grads, losses, _ = local_gradients(loss_fn, local, batch, axis=axis)
         if reduce_dtype is not None:
             grads = jax.tree.map(lambda g: g.astype(reduce_dtype), grads)
@@ -226,8 +230,8 @@ def make_zero_step(
       per_phase: with 1-bit Adam, one program per phase, picked on the host before each step
         (:mod:`jonebit.transforms.phases`); ``False``: one program with every phase.
       quantized_weights: stage 3 with a standard optimizer: gather the parameters as int8 with a float32 scale
-        per block of 256 (ZeRO++'s qwZ, :mod:`jonebit.comm.quantized_gather`), about a quarter of the float32
-        bytes; the parameters, optimizer state and gradients themselves stay exact.
+        per block of 256 (ZeRO++'s qwZ, :mod:`jonebit.comm.quantized_gather`), about a quarter of float32's
+        bytes and half of bf16's; the parameters, optimizer state and gradients themselves stay exact.
 
     The step is one ``jax.jit``; the loss returned is the mean over all devices.
 

@@ -102,6 +102,9 @@ def test_zero_stage_3_config_pretrains_the_stacked_encoder_and_exports_per_layer
                  "--seq-len", "32", "--vocab-size", "400", "--dupe-factor", "1", "--heldout-documents", "4"]) == 0
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 7)) and records[-1]["loss"] < records[0]["loss"]
+    # The trained state held the stacked encoder (the checkpoint's tree names it), exported per layer.
+    saved = [p for p in (out / "checkpoints").rglob("*") if p.is_file() and "metadata" in p.name.lower()]
+    assert any(b"stacked_layers" in p.read_bytes() for p in saved), [p.name for p in saved]
     tensors = stnp.load_file(out / "hf" / "model.safetensors")
     assert {"bert.encoder.layer.0.attention.self.query.weight", "bert.encoder.layer.1.output.dense.weight"} <= set(
         tensors)
