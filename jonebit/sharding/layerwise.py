@@ -59,11 +59,6 @@ def is_stacked(path) -> bool:
     return any(_key_name(k) == STACKED_KEY for k in path)
 
 
-def stacked_mask(tree):
-    """A tree like ``tree`` with ``True`` at the leaves of stacked layers."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: is_stacked(path), tree)
-
-
 @contextlib.contextmanager
 def gathering(axis: str, *, compute_dtype=None, reduce_dtype=None, quantize: bool = False) -> Iterator[None]:
     """While tracing inside ``shard_map`` over ``axis``: stacked layers arrive as shards and :func:`scan_layers`
@@ -165,4 +160,4 @@ def scan_layers(stack: nnx.Module, x, fn: Callable, *, layer_shapes, remat: bool
     return x
 
 
-__all__ = ["GATHERED_NAME", "STACKED_KEY", "gathering", "is_stacked", "scan_layers", "stacked_mask"]
+__all__ = ["GATHERED_NAME", "STACKED_KEY", "gathering", "is_stacked", "scan_layers"]

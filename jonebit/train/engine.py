@@ -42,7 +42,6 @@ The step returns the new :class:`TrainState` and a dict of scalar metrics (``los
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
 from collections.abc import Callable
@@ -55,7 +54,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jonebit.sharding.layerwise import gathering, is_stacked
+from jonebit.sharding.layerwise import is_stacked
 from jonebit.sharding.zero import OFFLOAD_MEMORY_KIND, check_stage, leaf_spec, to_shardings, zero_specs
 from jonebit.train.onebit_zero import FlatParams, find_onebit_state, onebit_stage
 from jonebit.train.step import (
@@ -63,8 +62,8 @@ from jonebit.train.step import (
     apply_optimizer,
     axis_dim,
     gather_shards,
-    gathered_mask,
     keep_if,
+    layerwise_gathering,
     local_gradients,
     local_view,
     nonfinite,
@@ -706,9 +705,8 @@ def _zero_step(local_grads, loss_metrics, tx, mesh, specs: TrainState, scaling: 
             local = gather_shards(params, param_specs, axis, dtype, quantize)
             # Stacked layers (stage 3): each layer's shards cast and gathered where it runs, gradients reduced in
             # float32.
-            mine = gathered_mask(params, param_specs, axis)
-            layerwise = gathering(axis, compute_dtype=dtype, reduce_dtype=jnp.float32, quantize=quantize) if any(
-                jax.tree.leaves(mine)) else contextlib.nullcontext()
+            layerwise, mine = layerwise_gathering(params, param_specs, axis, compute_dtype=dtype,
+                                                  reduce_dtype=jnp.float32, quantize=quantize)
             with layerwise:
                 grads, losses, auxes = local_grads(local, step_count, scale, batch, mine)
             grads = reduce_scatter(grads, grad_specs, axis, size, param_specs)

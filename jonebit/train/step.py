@@ -17,6 +17,7 @@ stages; :func:`per_device` is the one place the package maps a function over the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jonebit.comm.backends import as_varying
 from jonebit.comm.quantized_gather import quantized_all_gather
-from jonebit.sharding.layerwise import is_stacked
+from jonebit.sharding.layerwise import gathering, is_stacked
 from jonebit.train.onebit_zero import FlatParams
 
 REDUCTIONS = (None, "mean", "mean_bf16")
@@ -164,6 +165,15 @@ def gathered_mask(params, param_specs, axis: str):
     """``True`` at the ZeRO-3 shards the model gathers itself (:func:`gathered_by_model`)."""
     return jax.tree_util.tree_map_with_path(lambda path, _, spec: gathered_by_model(path, spec, axis), params,
                                             param_specs)
+
+
+def layerwise_gathering(params, param_specs, axis: str, **how):
+    """``(context, mask)``: :func:`jonebit.sharding.layerwise.gathering` over ``axis`` (``how``: its dtype and
+    quantization options) where some stacked shard is left to the model (:func:`gathered_mask`), else a null
+    context (nothing to gather, no rematerialisation to pay); ``mask`` is :func:`gathered_mask`."""
+    mask = gathered_mask(params, param_specs, axis)
+    context = gathering(axis, **how) if any(jax.tree.leaves(mask)) else contextlib.nullcontext()
+    return context, mask
 
 
 def gather_shards(params, param_specs, axis: str, compute_dtype=None, quantize: bool = False):

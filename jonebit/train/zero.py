@@ -31,7 +31,6 @@ their whole step runs in the per-device view, and :func:`make_zero_step` builds 
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -40,7 +39,7 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jonebit.sharding.layerwise import gathering, is_stacked
+from jonebit.sharding.layerwise import is_stacked
 from jonebit.sharding.mesh import check_batch
 from jonebit.sharding.zero import (
     OFFLOAD_MEMORY_KIND,
@@ -61,8 +60,8 @@ from jonebit.train.onebit_zero import (
 from jonebit.train.step import (
     apply_optimizer,
     gather_shards,
-    gathered_mask,
     keep_if,
+    layerwise_gathering,
     local_gradients,
     local_view,
     nonfinite,
@@ -171,8 +170,7 @@ def _grads_fn(loss_fn, mesh, axis: str, param_specs, grad_specs, batch_spec, red
         # holds the summed full gradient.
         local = gather_shards(params, param_specs, axis, quantize=quantize)
         # Stacked layers (stage 3): each layer's shards gathered where it runs, gradients reduced in reduce_dtype.
-        layerwise = gathering(axis, reduce_dtype=reduce_dtype, quantize=quantize) if any(
-            jax.tree.leaves(gathered_mask(params, param_specs, axis))) else contextlib.nullcontext()
+        layerwise, _ = layerwise_gathering(params, param_specs, axis, reduce_dtype=reduce_dtype, quantize=quantize)
         with layerwise:
             grads, losses, _ = local_gradients(loss_fn, local, batch, axis=axis)
         if reduce_dtype is not None:

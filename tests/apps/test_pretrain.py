@@ -65,6 +65,19 @@ def test_hf_export_matches_in_transformers(run_dir):
                                atol=1e-4)
 
 
+def _pretrain_with(tmp_path, cfg: dict, steps: int):
+    """``jonebit pretrain`` of a small run with the DeepSpeed config ``cfg``: (output directory, metrics records,
+    one per step)."""
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "run"
+    assert main(["pretrain", "--config", str(tmp_path / "config.json"), "--output", str(out), "--max-steps",
+                 str(steps), "--seq-len", "32", "--vocab-size", "400", "--dupe-factor", "1",
+                 "--heldout-documents", "4"]) == 0
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    return out, records
+
+
 def test_zero_one_adam_config_pretrains_and_exports(tmp_path):
     """A ZeroOneAdam DeepSpeed config through ``jonebit pretrain``, into its local steps (each rank moves its own
     parameter copy): it trains, evaluates, and exports a checkpoint (rank 0's copy) that loads. eps is 1e-3: with
@@ -76,12 +89,8 @@ def test_zero_one_adam_config_pretrains_and_exports(tmp_path):
     cfg = {"train_batch_size": 32, "gradient_clipping": 1.0, "optimizer": {"type": "ZeroOneAdam", "params": {
         "lr": 1e-3, "eps": 1e-3, "var_freeze_step": 6, "var_update_scaler": 4, "local_step_scaler": 1,
         "local_step_clipper": 4}}}
-    (tmp_path / "zo.json").write_text(json.dumps(cfg))
-    out = tmp_path / "run"
-    assert main(["pretrain", "--config", str(tmp_path / "zo.json"), "--output", str(out), "--max-steps", "10",
-                 "--seq-len", "32", "--vocab-size", "400", "--dupe-factor", "1", "--heldout-documents", "4"]) == 0
-    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 11)) and records[-1]["loss"] < records[0]["loss"]
+    out, records = _pretrain_with(tmp_path, cfg, steps=10)
+    assert records[-1]["loss"] < records[0]["loss"]
     assert np.isfinite(records[-1]["eval/mlm_loss"]) and records[-1]["eval/mlm_loss"] < np.log(400)
     assert all(np.isnan(r["bytes_sent"]) for r in records)  # not attributed to steps: NaN, not the scalars' bytes
     exported = load_hf_checkpoint(out / "hf", model_cls=BertForPreTraining)
@@ -96,12 +105,8 @@ def test_zero_stage_3_config_pretrains_the_stacked_encoder_and_exports_per_layer
     cfg = {"train_batch_size": 32, "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
            "zero_optimization": {"stage": 3, "zero_quantized_weights": True}}
-    (tmp_path / "z3.json").write_text(json.dumps(cfg))
-    out = tmp_path / "run"
-    assert main(["pretrain", "--config", str(tmp_path / "z3.json"), "--output", str(out), "--max-steps", "6",
-                 "--seq-len", "32", "--vocab-size", "400", "--dupe-factor", "1", "--heldout-documents", "4"]) == 0
-    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 7)) and records[-1]["loss"] < records[0]["loss"]
+    out, records = _pretrain_with(tmp_path, cfg, steps=6)
+    assert records[-1]["loss"] < records[0]["loss"]
     # The trained state held the stacked encoder (the checkpoint's tree names it), exported per layer.
     saved = [p for p in (out / "checkpoints").rglob("*") if p.is_file() and "metadata" in p.name.lower()]
     assert any(b"stacked_layers" in p.read_bytes() for p in saved), [p.name for p in saved]

@@ -245,6 +245,9 @@ def test_scanned_model_round_trip_with_transformers(tmp_path):
     with torch.no_grad():
         theirs = hf(*(torch.tensor(x, dtype=torch.long) for x in (ids, mask, types)))
     ours = scanned(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(types))
-    # The bound of test_round_trip_with_transformers: float32 programs of a 2-layer, 128-wide model.
+    # Two float32 programs of the same formulas differ by summation order only: per matmul (inner size <= 512) a
+    # few sqrt(K) u |x| (u = 2**-24, |x| ~ 1-10 for these random weights), ~1e-6 per layer; through 2 layers, the
+    # head's 128-wide transform and the 211-way logits (|logit| < 30) a few 1e-5 at most. 1e-4 leaves room; a
+    # swapped or mis-sliced layer moves the logits by O(1).
     assert np.abs(np.asarray(ours.prediction_logits) - theirs.prediction_logits.numpy()).max() <= 1e-4
     _assert_same_params(scanned, load_hf_checkpoint(tmp_path / "scan", BertForPreTraining, scan_layers=True))
