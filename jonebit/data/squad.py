@@ -133,6 +133,33 @@ class SquadData:
         return len(self.examples)
 
 
+def split_articles(data: dict, validation_questions: int) -> tuple[dict, dict]:
+    """Splits a SQuAD JSON into training and validation parts by whole articles.
+
+    The last articles of ``data`` that together hold at least ``validation_questions`` questions become the
+    validation part, the others the training part: no article, so no paragraph, is in both. Options chosen on the
+    validation part are then chosen on text the model never trained on, and the official dev set stays untouched
+    for the report.
+
+    Returns:
+      ``(train, validation)``, each a SQuAD JSON dict with the other top-level fields of ``data``.
+    """
+    articles = data.get("data") if isinstance(data, dict) else None
+    _expect(isinstance(articles, list), "the top level", "an object with a 'data' list")
+    if isinstance(validation_questions, bool) or not isinstance(validation_questions, int) or \
+            validation_questions < 1:
+        raise ValueError(f"validation_questions must be a positive number of questions, got {validation_questions!r}")
+    held, count = len(articles), 0
+    while held > 0 and count < validation_questions:
+        held -= 1
+        count += sum(len(p.get("qas", [])) for p in articles[held].get("paragraphs", []))
+    if count < validation_questions or held == 0:
+        raise ValueError(f"cannot hold out {validation_questions} questions by whole articles: the file has "
+                         f"{sum(len(p.get('qas', [])) for a in articles for p in a.get('paragraphs', []))} questions "
+                         f"in {len(articles)} articles and at least one article must stay for training")
+    return dict(data, data=articles[:held]), dict(data, data=articles[held:])
+
+
 def _expect(cond: bool, where: str, what: str) -> None:
     if not cond:
         raise ValueError(f"not SQuAD v1.1 JSON: {where} should be {what}. A SQuAD file is "
