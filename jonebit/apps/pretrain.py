@@ -33,6 +33,10 @@ log = logging.getLogger(__name__)
 # bias_correction and per-tensor compression (fused=False) are the settings that converge on small models.
 _DEFAULT_STEPS = 300
 _EVAL_POINTS = 5  # held-out evaluations through the embedded run (the last at its end)
+# The embedded corpus's evaluation splits (documents from its end, in pydoc_data's alphabetical topic order): the
+# held-out split (results) holds 20% of the text, the validation split (choices) 11%; two masking passes give each
+# >= 5,000 / 2,500 masked tokens after the sentences that also occur in training are left out.
+_EMBEDDED_HELDOUT, _EMBEDDED_VALIDATION, _EMBEDDED_PASSES = 11, 5, 2
 
 
 def default_configs(max_steps: int, batch_size: int, lr: float = 2e-3) -> dict[str, dict]:
@@ -133,8 +137,11 @@ def make_loss(graphdef, keys, rest):
     return loss_fn
 
 
-def make_evaluate(graphdef, keys, rest, data, batch_size: int, max_batches: int):
-    """``evaluate(state)``: held-out MLM loss and accuracy and NSP accuracy (dropout off)."""
+def make_evaluate(graphdef, keys, rest, splits: dict, batch_size: int, max_batches: int | None = None):
+    """``evaluate(state)``: MLM loss and accuracy and NSP accuracy (dropout off) on each split of ``splits``
+    (name -> :class:`~jonebit.data.pretraining.PretrainingData`), over all its instances (the first ``max_batches``
+    batches). The ``heldout`` split's keys are ``mlm_loss``, ..., another split's are prefixed with its
+    name (``validation/mlm_loss``); ``masked_tokens`` counts the predictions scored."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -158,16 +165,23 @@ def make_evaluate(graphdef, keys, rest, data, batch_size: int, max_batches: int)
         return jnp.stack([jnp.sum(jnp.where(valid, ce, 0.0)), jnp.sum(valid & hit), jnp.sum(valid),
                           jnp.sum(nsp_hit), nsp_hit.size])
 
-    n = min(len(data) // batch_size, max_batches)
-    if n < 1:
-        raise ValueError(f"the held-out split has {len(data)} instances, fewer than one batch of {batch_size}")
-    batches = [data.rows(np.arange(i * batch_size, (i + 1) * batch_size)) for i in range(n)]
+    batches = {}
+    for name, data in splits.items():
+        n = len(data) if max_batches is None else min(len(data), max_batches * batch_size)
+        if n < 1:
+            raise ValueError(f"the {name} split has no instances: hold out more documents")
+        # Every instance is scored: the last, shorter batch is a second shape (one more compilation).
+        batches[name] = [data.rows(np.arange(i, min(i + batch_size, n))) for i in range(0, n, batch_size)]
 
     def evaluate(state) -> dict:
         params = jax.device_get(model_params(state.params))
-        total = sum(np.asarray(sums(params, b), np.float64) for b in batches)
-        return {"mlm_loss": total[0] / total[2], "mlm_accuracy": total[1] / total[2],
-                "nsp_accuracy": total[3] / total[4]}
+        out = {}
+        for name, split in batches.items():
+            total = sum(np.asarray(sums(params, b), np.float64) for b in split)
+            prefix = "" if name == "heldout" else f"{name}/"
+            out |= {f"{prefix}mlm_loss": total[0] / total[2], f"{prefix}mlm_accuracy": total[1] / total[2],
+                    f"{prefix}nsp_accuracy": total[3] / total[4], f"{prefix}masked_tokens": int(total[2])}
+        return out
 
     return evaluate
 
@@ -191,7 +205,7 @@ def run(
     output: pathlib.Path,
     seed: int = 0,
     eval_every: int = 0,
-    eval_batches: int = 20,
+    eval_batches: int | None = None,
     checkpoint_every: int = 0,
     resume: bool = True,
     progress: bool = True,
@@ -221,10 +235,11 @@ def run(
     engine = initialize(cfg, make_loss(graphdef, keys, rest), params, exp_avg_mask=mask, rng_seed=seed,
                         fused=fused)
     train_data = PretrainingData(data_dir, "train")
-    heldout = PretrainingData(data_dir, "heldout") if "heldout" in train_data.manifest["instances"] else None
+    held = {name: PretrainingData(data_dir, name) for name in ("heldout", "validation")
+            if name in train_data.manifest["instances"]}
     evaluate = None
-    if heldout is not None:
-        evaluate = make_evaluate(graphdef, keys, rest, heldout, engine.batch.train_batch_size, eval_batches)
+    if held:
+        evaluate = make_evaluate(graphdef, keys, rest, held, engine.batch.train_batch_size, eval_batches)
     loop = engine.loop_config(output, max_steps, checkpoint_every=checkpoint_every, eval_every=eval_every,
                               tokens_per_example=seq_len, progress_bar=progress)
     t0 = time.perf_counter()
@@ -244,13 +259,19 @@ def run(
 
 
 def _prepare_data(args, out: pathlib.Path):
-    from jonebit.data.pretraining import PretrainingOptions, build_pretraining_data, iter_texts
+    from jonebit.data.pretraining import PretrainingOptions, build_pretraining_data, read_documents, split_documents
     from jonebit.data.tokenization import load_wordpiece, train_wordpiece
 
     corpus = [pathlib.Path(c) for c in args.corpus] if args.corpus else [embedded_corpus(out / "corpus.txt")]
     for c in corpus:
         if not c.is_file():
             raise FileNotFoundError(f"no corpus file at {c}")
+    options = PretrainingOptions(max_seq_length=args.seq_len, max_predictions_per_seq=args.max_predictions,
+                                 dupe_factor=args.dupe_factor, seed=args.seed,
+                                 heldout_documents=args.heldout_documents,
+                                 validation_documents=getattr(args, "validation_documents", 0) or 0,
+                                 heldout_dupe_factor=getattr(args, "heldout_passes", 1) or 1,
+                                 whole_word_mask=args.whole_word_mask)
     if args.vocab:
         vocab = pathlib.Path(args.vocab)
         tokenizer = load_wordpiece(vocab)
@@ -258,24 +279,23 @@ def _prepare_data(args, out: pathlib.Path):
         vocab = out / "vocab.txt"
         if vocab.is_file():
             tokenizer = load_wordpiece(vocab)
-        else:
-            print(f"training a {args.vocab_size}-token WordPiece vocabulary on {', '.join(map(str, corpus))}")
-            tokenizer = train_wordpiece(iter_texts(corpus), args.vocab_size, progress=True)
+        else:  # on the training documents only: held-out words stay unseen, as they would be for a real vocabulary
+            print(f"training a {args.vocab_size}-token WordPiece vocabulary on the training documents of "
+                  f"{', '.join(map(str, corpus))}")
+            train_docs = split_documents(read_documents(corpus), options)["train"]
+            tokenizer = train_wordpiece((s for d in train_docs for s in d), args.vocab_size, progress=True)
             out.mkdir(parents=True, exist_ok=True)
             tokenizer.save_vocab(vocab)
-    options = PretrainingOptions(max_seq_length=args.seq_len, max_predictions_per_seq=args.max_predictions,
-                                 dupe_factor=args.dupe_factor, seed=args.seed,
-                                 heldout_documents=args.heldout_documents, whole_word_mask=args.whole_word_mask)
     data_dir = pathlib.Path(args.data_dir) if args.data_dir else out / "data"
     build_pretraining_data(corpus, tokenizer, data_dir, options, overwrite=args.overwrite_data)
     return data_dir, vocab, tokenizer
 
 
 def _default_heldout(corpus) -> int:
-    """Documents held out for evaluation when --heldout-documents is not given: 6 of the embedded corpus; 5% of a
+    """Documents held out for evaluation when --heldout-documents is not given: 11 of the embedded corpus; 5% of a
     user's corpus (at least 2, at most 1,000), or none (said) when it has fewer than 8 documents."""
     if not corpus:
-        return 6
+        return _EMBEDDED_HELDOUT
     from jonebit.data.pretraining import read_documents
 
     n = len(read_documents(corpus))  # raises FileNotFoundError naming a missing file
@@ -333,7 +353,14 @@ def add_parser(subparsers) -> None:
     p.add_argument("--dupe-factor", type=int, default=5, help="passes over the corpus with new masks (default 5)")
     p.add_argument("--whole-word-mask", action="store_true", help="mask whole words")
     p.add_argument("--heldout-documents", type=int, default=None,
-                   help="documents kept for evaluation (default: 6 of the embedded corpus, 5%% of yours, 2 to 1,000)")
+                   help=f"documents at the corpus's end kept for evaluation, the held-out split (default: "
+                        f"{_EMBEDDED_HELDOUT} of the embedded corpus, 5%% of yours, 2 to 1,000)")
+    p.add_argument("--validation-documents", type=int, default=None,
+                   help="documents before the held-out ones kept as a validation split, for choosing options "
+                        f"(default: {_EMBEDDED_VALIDATION} of the embedded corpus, none of yours)")
+    p.add_argument("--heldout-passes", type=int, default=None,
+                   help=f"masking passes over the held-out and validation text (default {_EMBEDDED_PASSES} embedded, "
+                        "1 otherwise)")
     p.add_argument("--eval-every", type=int, default=None,
                    help=f"steps between held-out evaluations (0: only at the end; default: {_EVAL_POINTS} points "
                         "through the embedded run, only at the end with --config)")
@@ -374,6 +401,10 @@ def main(args) -> int:
     try:
         if args.heldout_documents is None:
             args.heldout_documents = _default_heldout(args.corpus)
+        if args.validation_documents is None:
+            args.validation_documents = 0 if args.corpus else _EMBEDDED_VALIDATION
+        if args.heldout_passes is None:
+            args.heldout_passes = 1 if args.corpus else _EMBEDDED_PASSES
         data_dir, vocab, tokenizer = _prepare_data(args, out)
         if embedded:
             configs = default_configs(args.max_steps, args.batch_size or 64)
@@ -413,7 +444,8 @@ def main(args) -> int:
         a, b = results
         la, lb = a.records[-1].get("eval/mlm_loss"), b.records[-1].get("eval/mlm_loss")
         if la and lb:
-            print(f"held-out MLM loss: 1-bit Adam {lb:.3f} vs Adam {la:.3f} ({100 * (lb - la) / la:+.1f}%)")
+            print(f"held-out MLM loss ({int(a.records[-1].get('eval/masked_tokens', 0)):,} masked tokens): 1-bit Adam "
+                  f"{lb:.3f} vs Adam {la:.3f} ({100 * (lb - la) / la:+.1f}%)")
     summary = {"tokenizer": {"vocab": str(vocab), "vocab_size": tokenizer.vocab_size,
                              "fingerprint": tokenizer.fingerprint()},
                "runs": [{"name": r.name, "seconds": r.seconds, "final": r.records[-1]} for r in results]}

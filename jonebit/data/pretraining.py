@@ -43,7 +43,7 @@ from jonebit.data.tokenization import SPECIAL_TOKENS, WordPiece
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: validation split; held-out sentences that occur in training are left out
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]*(?=\s+[\"'(\[]?[A-Z0-9])")
 
 
@@ -76,7 +76,15 @@ class PretrainingOptions:
       dupe_factor: passes over the corpus, each with different masks (Google's default is 10).
       whole_word_mask: mask whole words (all ``##`` pieces of a word together).
       seed: seeds every random choice; the same seed and inputs give the same instances.
-      heldout_documents: documents at the end of the corpus kept apart as the held-out split (one pass).
+      heldout_documents: documents at the end of the corpus kept apart as the held-out split, on which results are
+        reported.
+      validation_documents: documents just before the held-out ones kept apart as the validation split, on which
+        options are chosen.
+      heldout_dupe_factor: masking passes over the validation and held-out text (more masked positions of the
+        same text: a steadier loss on a small corpus).
+
+    Sentences of the validation and held-out documents that also occur in the training documents (the same
+    WordPiece ids) are left out of them, so neither scores text the model trained on.
     """
 
     max_seq_length: int = 128
@@ -87,9 +95,12 @@ class PretrainingOptions:
     whole_word_mask: bool = False
     seed: int = 12345
     heldout_documents: int = 0
+    validation_documents: int = 0
+    heldout_dupe_factor: int = 1
 
     def __post_init__(self):
-        ints = (("max_seq_length", 8), ("max_predictions_per_seq", 1), ("dupe_factor", 1), ("heldout_documents", 0))
+        ints = (("max_seq_length", 8), ("max_predictions_per_seq", 1), ("dupe_factor", 1), ("heldout_documents", 0),
+                ("validation_documents", 0), ("heldout_dupe_factor", 1))
         for name, low in ints:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
@@ -349,6 +360,24 @@ def _differences(saved: dict, wanted: dict) -> list[str]:
     return diffs
 
 
+SPLIT_SEEDS = {"train": 0, "heldout": 1, "validation": 2}  # added to the options' seed
+
+
+def split_documents(documents: list, options: PretrainingOptions) -> dict[str, list]:
+    """The corpus's documents by split: ``train``, then ``validation`` and ``heldout`` (the last documents) when the
+    options hold any out. Raises ValueError when fewer than 2 training documents would be left."""
+    n, ho, vd = len(documents), options.heldout_documents, options.validation_documents
+    if ho + vd and ho + vd >= n - 1:
+        raise ValueError(f"heldout_documents={ho} and validation_documents={vd} leave fewer than 2 of the corpus's "
+                         f"{n} documents for training")
+    splits = {"train": documents[:n - ho - vd]}
+    if vd:
+        splits["validation"] = documents[n - ho - vd:n - ho]
+    if ho:
+        splits["heldout"] = documents[n - ho:]
+    return splits
+
+
 def build_pretraining_data(
     corpus: Sequence[str | os.PathLike],
     tokenizer: WordPiece,
@@ -388,33 +417,39 @@ def build_pretraining_data(
 
     t0 = time.perf_counter()
     docs = read_documents(paths)
-    ho = options.heldout_documents
-    if ho and ho >= len(docs) - 1:
-        raise ValueError(f"heldout_documents={ho} leaves fewer than 2 of the corpus's {len(docs)} documents for "
-                         "training")
     tokens = tokenize_documents(docs, tokenizer, progress=progress)
     n_tokens = sum(len(s) for d in tokens for s in d)
     t_tok = time.perf_counter() - t0
-    splits = {"train": tokens[:len(tokens) - ho] if ho else tokens}
-    if ho:
-        splits["heldout"] = tokens[len(tokens) - ho:]
+    splits = split_documents(tokens, options)
+    removed = {}
+    seen = {s.tobytes() for d in splits["train"] for s in d}
+    for name in ("validation", "heldout"):
+        if name in splits:
+            kept = [[s for s in d if s.tobytes() not in seen] for d in splits[name]]
+            removed[name] = sum(len(d) for d in splits[name]) - sum(len(d) for d in kept)
+            splits[name] = [d for d in kept if d]
     tmp = out.with_name(out.name + ".tmp-build")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    counts = {}
+    counts, masked = {}, {}
     t1 = time.perf_counter()
     for name, docs_ in splits.items():
-        held = name == "heldout"
+        held = name != "train"
         if held and len(docs_) < 2:
-            raise ValueError("heldout_documents must be >= 2 (random next sentences come from another document)")
-        arrays = create_instances(docs_, tokenizer, options, dupe_factor=1 if held else None,
-                                  seed=options.seed + (1 if held else 0), progress=progress)
+            raise ValueError(f"the {name} split has {len(docs_)} documents with text not in the training split; it "
+                             f"needs >= 2 (random next sentences come from another document): hold out more")
+        arrays = create_instances(docs_, tokenizer, options,
+                                  dupe_factor=options.heldout_dupe_factor if held else None,
+                                  seed=options.seed + SPLIT_SEEDS[name], progress=progress)
         (tmp / name).mkdir()
         for key, value in arrays.items():
             np.save(tmp / name / f"{key}.npy", value, allow_pickle=False)
         counts[name] = int(len(arrays["input_ids"]))
+        masked[name] = int(arrays["masked_lm_count"].sum())
     t_inst = time.perf_counter() - t1
     wanted["instances"] = counts
+    wanted["masked_tokens"] = masked
+    wanted["deduplicated_sentences"] = removed
     wanted["stats"] = {"documents": len(tokens), "tokens": n_tokens, "tokenize_seconds": round(t_tok, 3),
                        "instance_seconds": round(t_inst, 3),
                        "instances_per_second": round(sum(counts.values()) / max(t_inst, 1e-9), 1),
@@ -433,7 +468,7 @@ class PretrainingData:
 
     Args:
       directory: from :func:`build_pretraining_data`.
-      split: ``"train"`` or ``"heldout"``.
+      split: ``"train"``, ``"validation"`` or ``"heldout"``.
     """
 
     def __init__(self, directory: str | os.PathLike, split: str = "train"):

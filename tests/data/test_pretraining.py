@@ -234,6 +234,54 @@ def test_build_reuse_refuse_and_load(tmp_path):
     assert len(held) == manifest["instances"]["heldout"]
 
 
+def test_evaluation_splits_leave_out_training_sentences(tmp_path):
+    """The validation and held-out splits are the last documents, and no sentence of theirs occurs in training.
+
+    Documents 0-7 are distinct random sentences; documents 8-9 (validation) and 10-11 (held-out) each copy two
+    sentences of document 0 beside their own. The evaluation instances must hold every own sentence and none of
+    the copies (their ids are looked for in the instances' token rows), and the manifest counts the copies.
+    """
+    rng = np.random.default_rng(0)
+    words = [f"w{i}" for i in range(BASE, BASE + PER_DOC * DOCS)]
+    sentence = lambda: " ".join(rng.choice(words, 7)) + "."  # noqa: E731
+    docs = [[sentence() for _ in range(4)] for _ in range(12)]
+    copies = docs[0][:2]
+    for d in docs[8:]:
+        d[1:1] = copies
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join("\n".join(d) for d in docs) + "\n")
+    tok = _tokenizer()
+    opts = PretrainingOptions(max_seq_length=128, dupe_factor=1, heldout_documents=2, validation_documents=2,
+                              heldout_dupe_factor=3, masked_lm_prob=0.01, max_predictions_per_seq=1)
+    out = build_pretraining_data([corpus], tok, tmp_path / "data", opts, progress=False)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["deduplicated_sentences"] == {"validation": 4, "heldout": 4}
+
+    def text_of(split):  # each instance's ids with the masked positions restored, as one string per instance
+        data = PretrainingData(out, split)
+        rows = []
+        for i in range(len(data)):
+            ids = np.array(data.arrays["input_ids"][i][:data.arrays["lengths"][i]], np.int64)
+            n = data.arrays["masked_lm_count"][i]
+            ids[data.arrays["masked_lm_positions"][i][:n]] = data.arrays["masked_lm_ids"][i][:n]
+            rows.append(" " + " ".join(map(str, ids)) + " ")
+        return rows
+
+    def ids(s):
+        return " " + " ".join(str(t) for t in tok.encode_batch([s])[0]) + " "
+
+    for split, own in (("validation", docs[8:10]), ("heldout", docs[10:12])):
+        rows = text_of(split)
+        assert manifest["instances"][split] == len(rows)
+        for s in copies:
+            assert not any(ids(s) in r for r in rows), f"a training sentence is in the {split} split"
+        for d in own:
+            for s in (d[0], d[-1]):  # the documents' own sentences are kept, once per masking pass at least
+                assert sum(ids(s) in r for r in rows) >= 3
+    train = text_of("train")
+    assert all(ids(s) in "".join(train) for s in copies)  # the copies' originals are still trained on
+
+
 def test_bad_inputs(tmp_path):
     corpus = _corpus(tmp_path)
     tok = _tokenizer()
@@ -247,7 +295,7 @@ def test_bad_inputs(tmp_path):
         (lambda: build_pretraining_data([tmp_path / "missing.txt"], tok, tmp_path / "d"), FileNotFoundError,
          r"no corpus file at .*missing.txt"),
         (lambda: build_pretraining_data([corpus], tok, tmp_path / "d2", PretrainingOptions(heldout_documents=29)),
-         ValueError, r"heldout_documents=29 leaves fewer than 2"),
+         ValueError, r"heldout_documents=29 and validation_documents=0 leave fewer than 2"),
         (lambda: PretrainingData(tmp_path), FileNotFoundError, r"not a pre-training data directory"),
         (lambda: load_wordpiece(tmp_path / "vocab.txt"), FileNotFoundError, r"no vocabulary file"),
         (lambda: train_wordpiece(["a b"], vocab_size=10), ValueError, r"vocab_size must be an int >= 100"),
