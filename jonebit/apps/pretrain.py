@@ -65,8 +65,12 @@ def embedded_corpus(path: pathlib.Path) -> pathlib.Path:
         paragraphs = [p for p in paragraphs if len(p) > 20 and not set(p) <= set("*=-~ ")]
         if paragraphs:
             docs.append("\n".join(paragraphs))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+    text = "\n\n".join(docs) + "\n"
+    if not (path.is_file() and path.read_text(encoding="utf-8") == text):  # other processes may be reading it
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
     return path
 
 
@@ -256,7 +260,9 @@ def run(
         nnx.update(net, jax.device_get(engine.params))
         save_hf_checkpoint(net, output / "hf")
         tokenizer.save_vocab(output / "hf" / "vocab.txt")
-    records = [json.loads(x) for x in (output / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    records = []  # written by process 0
+    if jax.process_index() == 0:
+        records = [json.loads(x) for x in (output / "metrics.jsonl").read_text().splitlines() if x.strip()]
     return RunResult(name=output.name, output=output, records=records, seconds=seconds)
 
 
@@ -374,8 +380,9 @@ def add_parser(subparsers) -> None:
                    help="continue from the output directory's latest checkpoint if it has one (the default)")
     p.add_argument("--no-resume", dest="resume", action="store_false", help="refuse to continue an existing run")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--devices", type=int, default=8,
-                   help="simulated CPU devices when running on CPU (data-parallel ranks; default 8)")
+    p.add_argument("--devices", type=int, default=None,
+                   help="simulated CPU devices of this process when running on CPU (default 8, or what `jonebit "
+                        "launch --devices-per-proc` set)")
     p.set_defaults(func=main)
 
 
@@ -383,11 +390,18 @@ def main(args) -> int:
     """Runs ``jonebit pretrain``; returns the exit code."""
     import jax
 
-    try:  # a CPU "cluster" of N devices in this process; no effect on GPU backends or once jax has started
-        jax.config.update("jax_num_cpu_devices", args.devices)
-    except RuntimeError:
-        pass
+    devices = args.devices or (None if os.environ.get("JAX_NUM_CPU_DEVICES") else 8)
+    if devices:
+        try:  # a CPU "cluster" of N devices in this process; no effect on GPU backends or once jax has started
+            jax.config.update("jax_num_cpu_devices", devices)
+        except RuntimeError:
+            pass
+    from jonebit.sharding.mesh import initialize_distributed
     from jonebit.train.config import ConfigError
+
+    # Under `jonebit launch`, SLURM or mpirun the processes form one job (a no-op for a single process).
+    initialize_distributed()
+    lead = jax.process_index() == 0
 
     out = pathlib.Path(args.output)
     embedded = args.config is None
@@ -407,7 +421,14 @@ def main(args) -> int:
             args.validation_documents = 0 if args.corpus else _EMBEDDED_VALIDATION
         if args.heldout_passes is None:
             args.heldout_passes = 1 if args.corpus else _EMBEDDED_PASSES
-        data_dir, vocab, tokenizer = _prepare_data(args, out)
+        if lead:  # one process builds the vocabulary and the instances; the others then reuse them
+            data_dir, vocab, tokenizer = _prepare_data(args, out)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("jonebit pretrain: data ready")
+            if not lead:
+                data_dir, vocab, tokenizer = _prepare_data(args, out)
         if embedded:
             configs = default_configs(args.max_steps, args.batch_size or 64)
         else:
@@ -436,6 +457,8 @@ def main(args) -> int:
     except (ConfigError, ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"jonebit pretrain: {e}", file=sys.stderr)
         return 2
+    if not lead:
+        return 0
     print()
     print(_table(results))
     if embedded:

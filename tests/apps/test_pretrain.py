@@ -237,3 +237,43 @@ def test_too_small_a_corpus_says_evaluation_is_skipped(tmp_path, capsys):
     small.write_text("One sentence. Another one.\n\nA second document here.\n")
     assert _default_heldout([str(small)]) == 0
     assert "evaluation skipped: the corpus has 2 documents" in capsys.readouterr().out
+
+
+def test_launched_processes_form_one_job(tmp_path):
+    """``jonebit launch --nproc 2 --devices-per-proc 4 -- jonebit pretrain`` is one data-parallel job over 8 devices,
+    not two jobs: its metrics match the same config run in this process on its 8 devices.
+
+    - The bytes each rank sends per step are the 8-rank allreduce's, exactly (two independent 4-device jobs
+      would send the 4-rank amount, and both would write the run directory).
+    - Step 1's loss: each device computes the same forward on the same rows in both runs (the same per-device
+      program); the logged loss is the mean of the 8 device losses, summed in an order each program chooses, so the
+      two differ by at most 7 roundings: |diff| <= 7 * 2^-24 * loss.
+    - Later steps: the gradients are also means of 8 device gradients in different orders (relative differences of
+      a few ulp per element); Adam's update is at most lr per element, and an element whose sign flips between the
+      runs has a gradient below the rounding of that sum, so its effect on the loss is of the same order. Three
+      steps move the loss by far less than 1e-5 relative; the bound is that, not a measured value.
+    """
+    import subprocess
+    import sys
+
+    from tests.mpi_util import worker_env
+
+    cfg = {"train_batch_size": 32, "gradient_clipping": 1.0, "steps_per_print": 1,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    common = ["pretrain", "--config", str(tmp_path / "config.json"), "--max-steps", "3", "--seq-len", "32",
+              "--vocab-size", "400", "--dupe-factor", "1", "--heldout-documents", "4"]
+    assert main([*common, "--output", str(tmp_path / "one")]) == 0
+    launched = subprocess.run(
+        [sys.executable, "-m", "jonebit", "launch", "--nproc", "2", "--devices-per-proc", "4", "--timeout", "600",
+         "--", sys.executable, "-m", "jonebit", *common, "--output", str(tmp_path / "two")],
+        env=worker_env(), capture_output=True, text=True, timeout=900)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    one, two = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+                for d in ("one", "two"))
+    assert [r["step"] for r in two] == [1, 2, 3]
+    assert [r["bytes_sent"] for r in two] == [r["bytes_sent"] for r in one]
+    assert abs(two[0]["loss"] - one[0]["loss"]) <= 7 * 2.0**-24 * one[0]["loss"]
+    for a, b in zip(one, two, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"]
+    assert (tmp_path / "two" / "hf" / "model.safetensors").is_file()  # exported once, by process 0
