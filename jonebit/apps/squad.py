@@ -81,9 +81,10 @@ def default_config(optimizer: str, batch_size: int, max_steps: int, *, lr: float
     """The built-in DeepSpeed config: the recipe (:func:`recipe`) for ``max_steps`` steps.
 
     Each keyword left at ``RECIPE`` keeps the recipe's value. The recipe turns on the jonebit-only options of 1-bit
-    Adam that fine-tuned closest to Adam on SQuAD (``local_clip``, ``preconditioned``, ``clip_ratio`` at Adam's own
-    bound: F1 61.26 against 55.77 without them and Adam's 61.94, ``benchmarks/BENCHMARKS.md``); ``False``/``None``
-    gives DeepSpeed's 1-bit Adam.
+    Adam that fine-tuned closest to Adam on SQuAD in the study before the evidence protocol (``local_clip``,
+    ``preconditioned``, ``clip_ratio`` at Adam's own bound: F1 61.26 against 55.77 without them and Adam's 61.94 on
+    the first 1,000 dev questions, one seed; ``benchmarks/squad_protocol.py`` chooses on a validation slice
+    instead); ``False``/``None`` gives DeepSpeed's 1-bit Adam.
 
     Args:
       optimizer: ``"adam"`` or ``"onebit_adam"``.
