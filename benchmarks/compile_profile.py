@@ -70,6 +70,7 @@ def _child(kind: str, size: int, form: str) -> None:
         fn = jax.jit(body) if form == "jit" else jax.jit(
             jax.shard_map(body, mesh=mesh, in_specs=(P("data"),), out_specs=P("data")))
         lowered = fn.lower(xs)
+    print("compiling the measured program", file=sys.stderr, flush=True)  # the log after this line is its own
     t0 = time.perf_counter()
     lowered.compile()
     print(f"compile {time.perf_counter() - t0:.3f}", flush=True)
@@ -79,10 +80,10 @@ def measure(kind: str, size: int, form: str) -> dict:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="hlo_pass_pipeline=1,cpu_compiler=1")
     out = subprocess.run([sys.executable, __file__, "--child", kind, str(size), form], env=env,
                          capture_output=True, text=True, timeout=3600)
-    log = out.stdout + out.stderr
-    m = re.search(r"^compile ([0-9.]+)$", log, re.M)
+    m = re.search(r"^compile ([0-9.]+)$", out.stdout, re.M)
     if out.returncode or m is None:
-        raise RuntimeError(f"{kind} {size} {form} failed:\n{log[-3000:]}")
+        raise RuntimeError(f"{kind} {size} {form} failed:\n{(out.stdout + out.stderr)[-3000:]}")
+    log = out.stderr.split("compiling the measured program", 1)[-1]
     passes: dict[str, float] = {}
     for name, value, unit in re.findall(r"HLO pass: (\S+) time: ([0-9.]+) (us|ms|s) ", log):
         passes[name] = passes.get(name, 0.0) + float(value) * _UNIT[unit]
