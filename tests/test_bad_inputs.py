@@ -236,6 +236,13 @@ CASES = [
     ("make_update-not-stacked", lambda _: call_make_update({"w": np.zeros((4, 3), np.float32),
                                                             "b": np.zeros((N, 3), np.float32)}),
      ValueError, r"make_update: local_grads\['w'\] has shape \(4, 3\), expected \(8, 4, 3\) \(one row per rank"),
+    ("make_update-optax-without-reduce", lambda _: make_update(
+        dp_step()[0], mesh(), dp_step()[1])(replicate(params0(), mesh()),
+                                            init_optimizer(dp_step()[0], replicate(params0(), mesh()), mesh())[0],
+                                            shard_batch({"w": np.ones((N, 4, 3), np.float32),
+                                                         "b": np.ones((N, 3), np.float32)}, mesh())),
+     ValueError, r"make_update: with grad_reduce=None each rank's own gradient goes to the optimizer.*For an optax "
+                 r"optimizer pass grad_reduce='mean'"),
     ("data_mesh-too-many", lambda _: data_mesh(N + 1),
      ValueError, r"data_mesh: num_devices=9 but there are 8 devices"),
     ("data_mesh-float", lambda _: data_mesh(2.5),

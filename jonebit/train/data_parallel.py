@@ -13,6 +13,7 @@ plain allreduce (standard optax optimizers; the bf16 variant halves the traffic)
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -150,9 +151,24 @@ def make_step(
 
     def step(params, opt_state, batch):
         check_batch(batch, mesh, spec, where="make_step's step")  # shapes are static: checked while tracing
-        return mapped(params, opt_state, batch)
+        with _local_gradients_hint("make_step", grad_reduce):
+            return mapped(params, opt_state, batch)
 
     return jit_per_phase(step, per_phase=per_phase, donate_argnums=(0, 1) if donate else ())
+
+
+@contextlib.contextmanager
+def _local_gradients_hint(where: str, grad_reduce):
+    """Turns shard_map's replication error for an optimizer that got local gradients into the fix, in one line."""
+    try:
+        yield
+    except ValueError as e:
+        if grad_reduce is None and "could not infer replication" in str(e):
+            raise ValueError(
+                f"{where}: with grad_reduce=None each rank's own gradient goes to the optimizer, and its update then "
+                "differs per rank; only jonebit's communicating optimizers (1-bit Adam, 0/1 Adam, 1-bit LAMB) average "
+                "it themselves. For an optax optimizer pass grad_reduce='mean' (or 'mean_bf16')") from None
+        raise
 
 
 def make_update(tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, opt_specs, *, axis: Axis = "data",
@@ -177,6 +193,7 @@ def make_update(tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, opt_s
 
     def update(params, opt_state, local_grads):
         _check_grads(local_grads, params, size)
-        return mapped(params, opt_state, local_grads)
+        with _local_gradients_hint("make_update", grad_reduce):
+            return mapped(params, opt_state, local_grads)
 
     return jit_per_phase(update, per_phase=per_phase, donate_argnums=(0, 1))
