@@ -47,6 +47,8 @@ def _speedup(files, hosts, rate, variant, stage) -> list[float]:
 
 
 def readme_claims() -> list[str]:
+    from jonebit.apps import pretrain
+
     comm = _rows("comm_bytes/comm_bytes.json")
     ratio = round(min(r["vs_fp32"] for r in comm))
     requires = re.search(r'requires-python\s*=\s*">=(\d+\.\d+)"', (ROOT / "pyproject.toml").read_text()).group(1)
@@ -59,7 +61,7 @@ def readme_claims() -> list[str]:
             f"sends {ratio}x fewer bytes than an fp32 allreduce",
             f"Python {requires}+",
             f"with a {parser.get_default('vocab_size'):,}-token WordPiece vocabulary",
-            f"over {parser.get_default('devices')} simulated CPU devices"]
+            f"over {pretrain._DEFAULT_DEVICES} simulated CPU devices"]
 
 
 def _pretrain_parser():

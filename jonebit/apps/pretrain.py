@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 # are the settings that converge on small models. variance_refresh=16 (every 16th compressed update exact, and the
 # variance refreshed) won on the validation split over 3 seeds (benchmarks/pretrain_protocol.py).
 _DEFAULT_STEPS = 300
+_DEFAULT_DEVICES = 8  # simulated CPU devices of a single process
 _EVAL_POINTS = 5  # held-out evaluations through the embedded run (the last at its end)
 # The embedded corpus's evaluation splits (documents from its end, in pydoc_data's alphabetical topic order): the
 # held-out split (results) holds 20% of the text, the validation split (choices) 11%; two masking passes give each
@@ -381,8 +382,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-resume", dest="resume", action="store_false", help="refuse to continue an existing run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--devices", type=int, default=None,
-                   help="simulated CPU devices of this process when running on CPU (default 8, or what `jonebit "
-                        "launch --devices-per-proc` set)")
+                   help=f"simulated CPU devices of this process when running on CPU (default {_DEFAULT_DEVICES}, or "
+                        "what `jonebit launch --devices-per-proc` set)")
     p.set_defaults(func=main)
 
 
@@ -390,7 +391,7 @@ def main(args) -> int:
     """Runs ``jonebit pretrain``; returns the exit code."""
     import jax
 
-    devices = args.devices or (None if os.environ.get("JAX_NUM_CPU_DEVICES") else 8)
+    devices = args.devices or (None if os.environ.get("JAX_NUM_CPU_DEVICES") else _DEFAULT_DEVICES)
     if devices:
         try:  # a CPU "cluster" of N devices in this process; no effect on GPU backends or once jax has started
             jax.config.update("jax_num_cpu_devices", devices)
