@@ -31,6 +31,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.common import write_json  # noqa: E402  (sets 8 CPU devices)
+from benchmarks.report import spread  # noqa: E402
 
 # 1-bit Adam candidates for the embedded default: name -> optimizer params set in the embedded 1-bit Adam config (None:
 # removed), cheapest (fewest bytes) first. "onebit_default" is the embedded default before this study chose refresh.
@@ -55,11 +56,6 @@ def choose(validation: dict[str, list[float]]) -> str:
     return best
 
 
-def _spread(values: list[float]) -> dict:
-    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values),
-            "stdev": statistics.stdev(values) if len(values) > 1 else None}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -69,7 +65,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from jonebit.apps import pretrain
-    from jonebit.plot import plot_runs
+    from jonebit.plot import cumulative_bytes, plot_runs
 
     steps = args.steps or pretrain._DEFAULT_STEPS
     work = pathlib.Path(args.workdir)
@@ -102,10 +98,7 @@ def main(argv=None) -> int:
                                   max_steps=steps, output=out, seed=seed, export=False,
                                   eval_every=-(-steps // pretrain._EVAL_POINTS), progress=False)
             last = result.records[-1]
-            sent, prev = 0.0, 0
-            for r in result.records:
-                sent += r["bytes_sent"] * (r["step"] - prev)
-                prev = r["step"]
+            sent = float(cumulative_bytes(result.records)[-1])
             row = {"seed": seed, "seconds": time.perf_counter() - t0, "bytes_sent_per_rank": sent,
                    "heldout_mlm_loss": last["eval/mlm_loss"], "heldout_masked_tokens": int(last["eval/masked_tokens"]),
                    "validation_mlm_loss": last["eval/validation/mlm_loss"],
@@ -123,9 +116,9 @@ def main(argv=None) -> int:
                 for r, a in zip(rows, adam, strict=True)]
         vgaps = [100 * (r["validation_mlm_loss"] - a["validation_mlm_loss"]) / a["validation_mlm_loss"]
                  for r, a in zip(rows, adam, strict=True)]
-        summary[name] = {"heldout_mlm_loss": _spread([r["heldout_mlm_loss"] for r in rows]),
-                         "validation_mlm_loss": _spread([r["validation_mlm_loss"] for r in rows]),
-                         "heldout_gap_percent": gaps, "heldout_gap_percent_spread": _spread(gaps),
+        summary[name] = {"heldout_mlm_loss": spread([r["heldout_mlm_loss"] for r in rows]),
+                         "validation_mlm_loss": spread([r["validation_mlm_loss"] for r in rows]),
+                         "heldout_gap_percent": gaps, "heldout_gap_percent_spread": spread(gaps),
                          "validation_gap_percent": vgaps,
                          "bytes_vs_adam": statistics.fmean(r["bytes_sent_per_rank"] for r in rows) /
                          statistics.fmean(a["bytes_sent_per_rank"] for a in adam)}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import pathlib
 import shlex
+import statistics
 import subprocess
 import sys
 
@@ -28,6 +29,13 @@ def _git(*args: str) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
+
+
+def spread(values) -> dict:
+    """Mean, min, max and sample standard deviation (None for one value) of per-seed results."""
+    values = list(values)
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values),
+            "stdev": statistics.stdev(values) if len(values) > 1 else None}
 
 
 def run_meta(argv: list[str] | None = None) -> dict:

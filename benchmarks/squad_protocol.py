@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
 import sys
 import time
 
@@ -123,14 +122,9 @@ def run_arm(args, work: pathlib.Path, name: str, cfg: dict, predict_file: str, t
     return row
 
 
-def _spread(values: list[float]) -> dict:
-    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values),
-            "stdev": statistics.stdev(values) if len(values) > 1 else None}
-
-
 def write_result(args, work: pathlib.Path, split: dict) -> pathlib.Path:
     """Collects every finished run under ``work`` into the result file."""
-    from benchmarks.report import result_path, run_meta
+    from benchmarks.report import result_path, run_meta, spread
 
     selection = {}
     for name in CANDIDATES:
@@ -154,7 +148,7 @@ def write_result(args, work: pathlib.Path, split: dict) -> pathlib.Path:
                 arms[arm]["seeds"].append(r["seed"])
     for a in arms.values():
         if a["f1"]:
-            a["f1_spread"], a["exact_match_spread"] = _spread(a["f1"]), _spread(a["exact_match"])
+            a["f1_spread"], a["exact_match_spread"] = spread(a["f1"]), spread(a["exact_match"])
     complete = winner is not None and all(sorted(a["seeds"]) == sorted(args.all_seeds) for a in arms.values())
     payload = {"meta": run_meta(), "protocol": "benchmarks/BENCHMARKS.md#the-evidence-protocol", "setup": SETUP,
                "split": {k: v for k, v in split.items() if not k.endswith("_file")},

@@ -65,6 +65,8 @@ def prepare(args, work: pathlib.Path) -> dict:
 
 def run_arm(args, layout: Layout, cluster: Cluster, name: str, cfg: dict, data: dict, out: pathlib.Path) -> dict:
     """One ``jonebit pretrain`` job across the namespaces; returns its record."""
+    from jonebit.plot import cumulative_bytes
+
     done = out / "done.json"
     if done.is_file():
         print(f"== {name}: finished earlier", flush=True)
@@ -105,10 +107,10 @@ def run_arm(args, layout: Layout, cluster: Cluster, name: str, cfg: dict, data: 
         raise RuntimeError(f"{name}: exit codes {codes}; process 0's log ends:\n{tail}")
     after = cluster.counters()
     records = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    clock, prev, sent, curve = 0.0, 0, 0.0, []
+    clock, prev, curve = 0.0, 0, []
+    sent = float(cumulative_bytes(records)[-1])
     for r in records:
         clock += r["seconds"] * (r["step"] - prev)
-        sent += r["bytes_sent"] * (r["step"] - prev)
         prev = r["step"]
         if "eval/mlm_loss" in r:
             curve.append((r["step"], clock, r["eval/mlm_loss"]))
