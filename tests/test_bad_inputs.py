@@ -26,6 +26,7 @@ from jonebit.sharding.mesh import data_mesh
 from jonebit.train import schedules
 from jonebit.train.data_parallel import init_optimizer, make_step, make_update, replicate, shard_batch
 from jonebit.train.zero import init_zero, make_zero_step
+from jonebit.transforms.onebit_adam import leaf_errors
 
 N = 8
 CONFIG = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
@@ -194,6 +195,11 @@ CASES = [
                  r"when no step was skipped\) is inf, not a finite number; check learning_rate, warmup_proportion "
                  r"and decay_rate"),
     # --- compression sizes and packing
+    ("leaf_errors-other-params", lambda _: leaf_errors(
+        jonebit.onebit_adam(1e-3, freeze_step=2).init({"w": jnp.ones(4), "b": jnp.ones(3)}).worker_error,
+        {"w": jnp.ones(4)}),
+     ValueError, r"^leaf_errors: the params make 1 groups of equal-size leaves but the state holds 2 error arrays; "
+                 r"pass the params \(and row_scales\) the optimizer was initialised with$"),
     ("padded_size-float", lambda _: jonebit.comm.padded_size(10.7, 8),
      TypeError, r"^padded_size: n must be an int \(a number of elements or ranks\), got 10\.7 \(float\)$"),
     ("padded_size-float-world", lambda _: jonebit.comm.padded_size(16, 8.0),

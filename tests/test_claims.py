@@ -107,6 +107,13 @@ def results_claims() -> list[str]:
                   f"faster than Adam at 200 Mbit/s on 2 hosts; 1-bit LAMB's "
                   f"{_range(_speedup(fam_c, 2, '200mbit', 'onebit_lamb', 'compression'))} and 0/1 Adam's local steps "
                   f"{_range(_speedup(fam_c, 2, '200mbit', 'zero_one_adam', 'local'))} (gloo)")
+    ttl = _load("time_to_loss/200mbit.json")
+    adam, onebit = ttl["arms"]["adam"], ttl["arms"]["onebit_adam"]
+    claims.append(f"BERT-{ttl['model']}, {ttl['steps']} steps on\n  {ttl['hosts']} hosts at 200 Mbit/s, one seed")
+    claims.append(f"1-bit Adam finished {ttl['wall_ratio']:.2f}x sooner with "
+                  f"{100 * onebit['bytes_sent_per_rank'] / adam['bytes_sent_per_rank']:.0f}% of Adam's bytes")
+    claims.append(f"loss ended {100 * ttl['final_loss_gap']:.1f}% above Adam's")
+    claims.append(f"no sooner than Adam did ({ttl['speedup_to_common']:.2f}x)")
     # Memory.
     zm = {r["variant"]: r for r in _rows("zero_memory/zero_memory.json", precision="fp32", offload=False)}
     s0 = zm["0"]["device_mb"]

@@ -70,7 +70,12 @@ def run_arm(args, layout: Layout, cluster: Cluster, name: str, cfg: dict, data: 
     done = out / "done.json"
     if done.is_file():
         print(f"== {name}: finished earlier", flush=True)
-        return json.loads(done.read_text())
+        row = json.loads(done.read_text())
+        metrics = out / "run" / "metrics.jsonl"
+        if "stage_step_s" not in row and metrics.is_file():  # a row written before the medians were recorded
+            row["stage_step_s"] = stage_step_seconds(
+                [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()])
+        return row
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -118,11 +123,37 @@ def run_arm(args, layout: Layout, cluster: Cluster, name: str, cfg: dict, data: 
            "first_step_s": records[0]["seconds"], "heldout_mlm_loss": records[-1]["eval/mlm_loss"],
            "heldout_masked_tokens": int(records[-1]["eval/masked_tokens"]), "bytes_sent_per_rank": sent,
            "qdisc_bytes_up": [a - b for a, b in zip(after["up"], before["up"], strict=True)],
-           "curve": curve, "stages": sorted({r["stage"] for r in records})}
+           "curve": curve, "stages": sorted({r["stage"] for r in records}),
+           "stage_step_s": stage_step_seconds(records)}
     done.write_text(json.dumps(row, indent=2) + "\n")
     print(f"== {name}: {row['wall_s']:.0f} s training wall-clock, held-out MLM loss {row['heldout_mlm_loss']:.3f}",
           flush=True)
     return row
+
+
+def stage_step_seconds(records) -> dict:
+    """Median seconds of one step per stage (``full``, ``warmup``, ``compression``, ...), each stage's first step
+    (its compilation) left out."""
+    import statistics
+
+    by_stage: dict[str, list[float]] = {}
+    for r in records:
+        by_stage.setdefault(r["stage"], []).append(r["seconds"])
+    return {k: statistics.median(v[1:] or v) for k, v in by_stage.items()}
+
+
+def compare(adam: dict, onebit: dict) -> dict:
+    """The two arms' times to two targets: Adam's final held-out loss (does 1-bit Adam reach it, and when?) and the
+    higher of the two final losses, which both curves reach (how long each takes to get there)."""
+    reached = time_to_loss(onebit["curve"], adam["heldout_mlm_loss"])
+    common = max(adam["heldout_mlm_loss"], onebit["heldout_mlm_loss"])
+    t_adam, t_onebit = time_to_loss(adam["curve"], common), time_to_loss(onebit["curve"], common)
+    return {"target_loss": adam["heldout_mlm_loss"], "onebit_time_to_target_s": reached, "adam_time_s": adam["wall_s"],
+            "speedup_to_target": None if reached is None else adam["wall_s"] / reached,
+            "common_loss": common, "adam_time_to_common_s": t_adam, "onebit_time_to_common_s": t_onebit,
+            "speedup_to_common": t_adam / t_onebit,
+            "final_loss_gap": onebit["heldout_mlm_loss"] / adam["heldout_mlm_loss"] - 1.0,
+            "wall_ratio": adam["wall_s"] / onebit["wall_s"]}
 
 
 def time_to_loss(curve, target: float) -> float | None:
@@ -189,9 +220,7 @@ def main(argv=None) -> int:
         reached = time_to_loss(onebit["curve"], adam["heldout_mlm_loss"])
         payload = {"meta": run_meta(), "rate": rate, "hosts": args.hosts, "model": args.model, "seq": args.seq,
                    "batch": args.batch, "steps": args.steps, "freeze": args.freeze, "data": data,
-                   "arms": rows, "target_loss": adam["heldout_mlm_loss"], "onebit_time_to_target_s": reached,
-                   "adam_time_s": adam["wall_s"],
-                   "speedup_to_target": None if reached is None else adam["wall_s"] / reached}
+                   "arms": rows, **compare(adam, onebit)}
         path = result_path("time_to_loss", f"{args.tag}{rate}")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(payload, indent=2) + "\n")
@@ -215,6 +244,8 @@ def main(argv=None) -> int:
         said = "never reached it" if reached is None else f"reached it after {reached:.0f} s " \
             f"({adam['wall_s'] / reached:.2f}x faster)"
         print(f"\n{rate}: Adam ends at {adam['heldout_mlm_loss']:.3f} after {adam['wall_s']:.0f} s; 1-bit Adam {said}; "
+              f"both reach {payload['common_loss']:.3f}: Adam after {payload['adam_time_to_common_s']:.0f} s, 1-bit "
+              f"Adam after {payload['onebit_time_to_common_s']:.0f} s ({payload['speedup_to_common']:.2f}x); "
               f"written {path}")
     return 0
 

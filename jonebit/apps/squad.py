@@ -40,6 +40,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 RECIPE_FILE = "squad_onebit_adam.json"
+_DEFAULT_DEVICES = 8  # simulated CPU devices of a single process
 
 
 class _FromRecipe:
@@ -492,13 +493,18 @@ def run(
     graphdef, params, keys, rest = nnx.split(net, nnx.Param, nnx.RngState, ...)
     mask = position_embedding_mask(params, max_seq_length) if onebit else None
     engine = initialize(ds, make_loss(graphdef, keys, rest), params, mesh=mesh, exp_avg_mask=mask, rng_seed=seed)
-    predict = make_predict(graphdef, keys, rest, engine.mesh)
+    # One process: the predictions are split over the mesh's ranks. Several (`jonebit launch`): each process
+    # predicts every question on its own first device, from the replicated parameters (no logits to gather).
+    multiprocess = jax.process_count() > 1
+    predict = make_predict(graphdef, keys, rest, None if multiprocess else engine.mesh)
     evalset = EvalSet(eval_json, eval_examples, eval_features, tokenizer, n_best_size, max_answer_length)
     last = {}
 
     def evaluate(state) -> dict:
         t0 = time.perf_counter()
-        start, end = predict(model_params(state.params), eval_features, predict_batch_size, progress)
+        params = model_params(state.params)
+        start, end = predict(jax.device_get(params) if multiprocess else params, eval_features, predict_batch_size,
+                             progress)
         last.update(seconds=time.perf_counter() - t0, step=int(jax.device_get(state.step)))
         last["total"] = last.get("total", 0.0) + last["seconds"]
         last["answers"] = evalset.answers(start, end)
@@ -528,7 +534,9 @@ def run(
         nnx.update(net, jax.device_get(engine.params))
         save_hf_checkpoint(net, out / "hf")
         tokenizer.save_vocab(out / "hf" / "vocab.txt")
-    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    records = []  # written by process 0
+    if jax.process_index() == 0:
+        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     return SquadResult(out, score, records, train_seconds, last["seconds"], len(train_features), len(eval_features))
 
 
@@ -611,8 +619,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     p.add_argument("--data-parallel", type=int, help="train on the first N devices (default: all of them)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--devices", type=int, default=8,
-                   help="simulated CPU devices when running on CPU (data-parallel ranks; default 8)")
+    p.add_argument("--devices", type=int, default=None,
+                   help=f"simulated CPU devices of this process when running on CPU (default {_DEFAULT_DEVICES}, or "
+                        "what `jonebit launch --devices-per-proc` set)")
     p.set_defaults(func=main)
 
 
@@ -630,11 +639,17 @@ def main(args) -> int:
     """Runs ``jonebit squad``; returns the exit code."""
     import jax
 
-    try:  # a CPU "cluster" of N devices in this process; no effect on GPU backends or once jax has started
-        jax.config.update("jax_num_cpu_devices", args.devices)
-    except RuntimeError:
-        pass
+    devices = args.devices or (None if os.environ.get("JAX_NUM_CPU_DEVICES") else _DEFAULT_DEVICES)
+    if devices:
+        try:  # a CPU "cluster" of N devices in this process; no effect on GPU backends or once jax has started
+            jax.config.update("jax_num_cpu_devices", devices)
+        except RuntimeError:
+            pass
+    from jonebit.sharding.mesh import initialize_distributed
     from jonebit.train.config import ConfigError
+
+    # Under `jonebit launch`, SLURM or mpirun the processes form one job (a no-op for a single process).
+    initialize_distributed()
 
     try:
         result = run(
@@ -653,6 +668,8 @@ def main(args) -> int:
     except (ConfigError, ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"jonebit squad: {e}", file=sys.stderr)
         return 2
+    if jax.process_index() != 0:
+        return 0
     ev = result.eval
     print(json.dumps({"exact_match": ev["exact_match"], "f1": ev["f1"]}))
     print(f"{ev['questions']} questions in {result.predict_seconds:.1f} s ({ev['examples_per_second']:.1f}/s); "

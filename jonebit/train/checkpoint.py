@@ -130,6 +130,23 @@ def _world_size(tree) -> int | None:
     return None
 
 
+def _older_error_layout(saved, target) -> bool:
+    """Whether the saved error buffers are the target's in the layout before stacking: one ``(P, n)`` array per
+    leaf where the target keeps one ``(P, k, n)`` array per group of ``k`` equal-size leaves (same arrays, other
+    layout; anything else is a real mismatch, left to :func:`_compare`)."""
+    if _shapes(saved).keys() == _shapes(target).keys():
+        return False
+    for old, new in zip(saved, target, strict=True):
+        for side in ("worker", "server"):
+            stacks = [shape for shape, _ in _shapes(new[side]).values()]
+            if not stacks or any(len(shape) != 3 for shape in stacks):
+                return False
+            expanded = sorted((p, n) for p, k, n in stacks for _ in range(k))
+            if sorted(shape for shape, _ in _shapes(old[side]).values()) != expanded:
+                return False
+    return True
+
+
 def _zero_stage(tree) -> int | None:
     for node in _onebit_states(tree):
         if isinstance(node, OneBitAdamZeroState):
@@ -543,19 +560,24 @@ def restore(path: str | pathlib.Path, target: Any, *, verify: bool = True) -> tu
             "parameter tree (FlatParams.tree()) and restart the optimizer"
         )
     _compare(saved["state"], stripped, what="state", src=src)
-    if saved_world == current:
-        if errors:
-            _compare(saved["errors"], errors, what="1-bit Adam error buffers", src=src)
-        items = {"state": stripped, "errors": errors} if errors else {"state": stripped}
-    else:
+    same_layout = not (errors and _older_error_layout(saved["errors"], errors))
+    keep_errors = saved_world == current and same_layout
+    if saved_world != current:
         log.warning(
             "checkpoint %s was written with %s data-parallel ranks, restoring on %s: 1-bit Adam's error "
             "buffers are reset to zero (everything else is restored)", src, saved_world, current,
         )
-        items = {"state": stripped}
+    elif not same_layout:
+        log.warning(
+            "checkpoint %s keeps 1-bit Adam's per-leaf error buffers in an older layout (one array per leaf, "
+            "now one per group of equal-size leaves): they are reset to zero (everything else is restored)", src,
+        )
+    elif errors:
+        _compare(saved["errors"], errors, what="1-bit Adam error buffers", src=src)
+    items = {"state": stripped, "errors": errors} if errors and keep_errors else {"state": stripped}
     try:
         loaded = ocp.load_checkpointables(src, items)
     except Exception as e:
         raise CheckpointError(f"checkpoint {src}: reading its data failed ({type(e).__name__}: {e})") from e
-    errs = loaded.get("errors", []) if saved_world == current else None
+    errs = loaded.get("errors", []) if keep_errors else None
     return _join(loaded["state"], abstract, errs), int(meta["step"])

@@ -20,12 +20,13 @@ import numpy as np
 
 from jonebit.comm.backends import AxisBackend, Backend, as_varying, get_backend, varying_axes
 from jonebit.comm.compressed import (
-    compressed_allreduce_groups,
+    buffer_groups,
     compressed_allreduce_rows,
+    compressed_allreduce_stacked,
     decode_groups,
     decode_segments,
     padded_size,
-    ungroup,
+    stacked_error_buffers,
 )
 
 ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
@@ -297,7 +298,9 @@ def num_elements(params) -> int:
 def error_buffers(params, world_size: int, fused: bool):
     """Zero ``(worker_error, server_error)`` with a leading axis of 1 (one row per rank in the global view).
 
-    ``fused``: one pair for the flattened tree; otherwise one pair per leaf, as a tree like ``params``.
+    ``fused``: one pair for the flattened tree; otherwise a tuple per side with one ``(1, k, n_pad)`` array per
+    group of ``k`` equal-size leaves (:func:`jonebit.comm.compressed.stacked_error_buffers`, the layout
+    :func:`compressed_mean` keeps; :func:`jonebit.transforms.onebit_adam.leaf_errors` views it per leaf).
     """
 
     def worker(p):
@@ -310,7 +313,9 @@ def error_buffers(params, world_size: int, fused: bool):
         n = num_elements(params)
         whole = jax.ShapeDtypeStruct((n,), jnp.float32)
         return worker(whole), server(whole)
-    return jax.tree.map(worker, params), jax.tree.map(server, params)
+    sizes = [max(int(np.prod(x.shape)), 1) for x in jax.tree.leaves(params)]
+    _, workers, servers = stacked_error_buffers(sizes, world_size)
+    return tuple(w[None] for w in workers), tuple(s[None] for s in servers)
 
 
 def per_rank(tree, backend: Backend):
@@ -343,13 +348,11 @@ def compressed_mean(backend: Backend, tree, worker_error, server_error, *, fused
         parts, we, se = compressed_mean_flat(backend, flatten(tree), worker_error, server_error,
                                              [x.size for x in leaves])
         return treedef.unflatten([p.reshape(x.shape) for p, x in zip(parts, leaves, strict=True)]), we, se
-    wes, ses = treedef.flatten_up_to(worker_error), treedef.flatten_up_to(server_error)
-    groups = compressed_allreduce_groups(
-        backend, [jnp.ravel(x) for x in leaves], [we[0] for we in wes], [se[0] for se in ses])
-    wes, ses = ungroup(groups, 2, len(leaves)), ungroup(groups, 3, len(leaves))
+    groups = buffer_groups([x.size for x in leaves])
+    groups = compressed_allreduce_stacked(backend, [jnp.ravel(x) for x in leaves], groups,
+                                          [we[0] for we in worker_error], [se[0] for se in server_error])
     out = [d.reshape(x.shape) for d, x in zip(decode_groups(groups, [x.size for x in leaves]), leaves, strict=True)]
-    return (treedef.unflatten(out), treedef.unflatten([we[None] for we in wes]),
-            treedef.unflatten([se[None] for se in ses]))
+    return treedef.unflatten(out), tuple(g[2][None] for g in groups), tuple(g[3][None] for g in groups)
 
 
 def apply_mask(tree, mask):

@@ -47,13 +47,13 @@ from jax.sharding import PartitionSpec as P
 
 from jonebit.comm.backends import Backend, as_varying
 from jonebit.comm.compressed import (
-    buffer_padded_size,
-    compressed_allreduce_groups,
+    buffer_groups,
     compressed_allreduce_rows,
+    compressed_allreduce_stacked,
     decode_groups,
     decode_segments,
     padded_size,
-    ungroup,
+    stacked_error_buffers,
 )
 from jonebit.comm.hierarchical import (
     HierarchicalBackend,
@@ -99,8 +99,12 @@ class OneBitAdamState(NamedTuple):
       mu: first moment, float32, like the params; identical on all ranks.
       nu: second moment, float32, like the params; identical on all ranks, frozen after warmup.
       worker_error: this rank's worker error with a leading axis of 1 (global view: one row per rank).
-        ``fused=True``: one array ``(1, padded_size(N, P))``; ``fused=False``: a tree like the params.
-      server_error: this rank's server error, ``(1, padded_size(n, P) // P)``, same layout as ``worker_error``.
+        ``fused=True``: one array ``(1, padded_size(N, P))``. ``fused=False``: a tuple with one array
+        ``(1, k, padded_size(n, P))`` per group of the ``k`` leaves of ``n`` elements
+        (:func:`jonebit.comm.compressed.buffer_groups` of the leaf sizes, in order of first appearance; row
+        ``j`` belongs to the group's ``j``-th leaf in tree order): :func:`leaf_errors` gives them per leaf. On a
+        hierarchical mesh, a tree like the params.
+      server_error: this rank's server error, a ``P``-th of ``worker_error``'s length, same layout.
       phase: the phase the last update ran, an index into :data:`PHASES` (int32).
       next_phase: the phase the next update runs (int32), by the same rule: jonebit's step builders read it to
         run a program compiled for that phase alone (:mod:`jonebit.transforms.phases`).
@@ -181,12 +185,35 @@ def error_buffers(params, backend: Backend, *, fused: bool, row_scales: bool = F
         if n == 0:
             raise ValueError(f"{WHO}: the params have no elements")
         return pair(n)
-    if row_scales:
-        n = [buffer_padded_size(x.size, p, _row_of(x)) for x in leaves]
-        return (treedef.unflatten([jnp.zeros((1, k), jnp.float32) for k in n]),
-                treedef.unflatten([jnp.zeros((1, k // p), jnp.float32) for k in n]))
-    pairs = [pair(int(np.prod(x.shape))) for x in leaves]
-    return treedef.unflatten([w for w, _ in pairs]), treedef.unflatten([s for _, s in pairs])
+    if isinstance(backend, HierarchicalBackend):
+        pairs = [pair(int(np.prod(x.shape))) for x in leaves]
+        return treedef.unflatten([w for w, _ in pairs]), treedef.unflatten([s for _, s in pairs])
+    rows = [_row_of(x) for x in leaves] if row_scales else None
+    _, worker, server = stacked_error_buffers([int(np.prod(x.shape)) for x in leaves], p, rows)
+    return tuple(w[None] for w in worker), tuple(s[None] for s in server)
+
+
+def leaf_errors(errors, params, *, row_scales: bool = False):
+    """Per-leaf 1-bit Adam error buffers (``state.worker_error`` or ``state.server_error``) as a tree like ``params``.
+
+    Without ``fused``, the state keeps one stacked array per group of equal-size leaves; this returns leaf ``i``'s
+    rows of it: ``(R, length)`` with ``R`` the leading (rank) axis, 1 inside a step. ``row_scales``: as given to
+    :func:`onebit_adam`. A fused error buffer or a hierarchical (already per-leaf) tree is returned as it is.
+    """
+    if not isinstance(errors, tuple) or any(len(e.shape) != 3 for e in errors):  # (R, k, n) stacks, or as it is
+        return errors
+    leaves, treedef = jax.tree.flatten(params)
+    rows = [_row_of(x) for x in leaves] if row_scales else None
+    groups = buffer_groups([int(np.prod(x.shape)) for x in leaves], rows)
+    if len(groups) != len(errors):
+        raise ValueError(f"leaf_errors: the params make {len(groups)} groups of equal-size leaves but the state "
+                         f"holds {len(errors)} error arrays; pass the params (and row_scales) the optimizer was "
+                         "initialised with")
+    out = [None] * len(leaves)
+    for idx, stack in zip(groups, errors, strict=True):
+        for j, i in enumerate(idx):
+            out[i] = stack[:, j]
+    return treedef.unflatten(out)
 
 
 def _unflatten_like(parts, leaves, treedef):
@@ -210,16 +237,16 @@ def compress(backend, m_local, worker_error, server_error, *, fused: bool, row_s
         return _unflatten_like(parts, leaves, treedef), we[None], se[None]
     # Per leaf: each leaf is its own compressed allreduce (own scales, errors, padding), but all leaves share one
     # all-to-all and one all-gather (same bytes, two collectives instead of two per leaf). Leaves of the same size
-    # are compressed as one stacked batch (own scales per leaf, bit for bit).
-    wes, ses = treedef.flatten_up_to(worker_error), treedef.flatten_up_to(server_error)
+    # are compressed as one stacked batch (own scales per leaf, bit for bit), their errors kept stacked in the state.
     rows = [_row_of(x) for x in leaves] if row_scales else None
-    groups = compressed_allreduce_groups(
-        backend, [jnp.ravel(x) for x in leaves], [we[0] for we in wes], [se[0] for se in ses], rows)
-    wes, ses = ungroup(groups, 2, len(leaves)), ungroup(groups, 3, len(leaves))
+    groups = buffer_groups([x.size for x in leaves], rows)
+    groups = compressed_allreduce_stacked(backend, [jnp.ravel(x) for x in leaves], groups,
+                                          [we[0] for we in worker_error], [se[0] for se in server_error], rows)
+    wes, ses = tuple(g[2][None] for g in groups), tuple(g[3][None] for g in groups)
     if not error_feedback:
-        wes, ses = [jnp.zeros_like(we) for we in wes], [jnp.zeros_like(se) for se in ses]
+        wes, ses = jax.tree.map(jnp.zeros_like, wes), jax.tree.map(jnp.zeros_like, ses)
     m = _unflatten_like(decode_groups(groups, [x.size for x in leaves], rows), leaves, treedef)
-    return m, treedef.unflatten([we[None] for we in wes]), treedef.unflatten([se[None] for se in ses])
+    return m, wes, ses
 
 
 def _compress_hierarchical(backend, m_local, worker_error, server_error, *, fused: bool, error_feedback: bool):

@@ -78,8 +78,9 @@ class ZeroOneAdamState(NamedTuple):
       local_step_interval: steps between synchronisations in the local phase.
       local_step_counter: local-phase steps since that interval last doubled.
       var_updates: number of variance updates so far (the variance's bias correction, ``bias_correction=True``).
-      worker_error, server_error: this rank's error buffers, leading axis 1 (``fused``: one array, otherwise a tree
-        like the params). They hold the gradient's error before ``var_freeze_step`` and ``u``'s afterwards.
+      worker_error, server_error: this rank's error buffers, leading axis 1 (``fused``: one array, otherwise one
+        stacked array per group of equal-size leaves, as in :class:`OneBitAdamState`). They hold the gradient's
+        error before ``var_freeze_step`` and ``u``'s afterwards.
     """
 
     count: jax.Array

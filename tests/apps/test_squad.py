@@ -251,6 +251,33 @@ def test_squad_from_a_pretrain_run_and_resume(tiny, tmp_path, capsys):
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
+def test_launched_processes_fine_tune_as_one_job(tiny, tmp_path, capsys):
+    """``jonebit launch --nproc 2 --devices-per-proc 1 -- jonebit squad`` is one 2-rank job: the bytes each rank
+    sends are the in-process 2-device run's, exactly; step 1's loss is the mean of the same two device losses, summed
+    in an order each program chooses (at most one rounding apart: |diff| <= 2^-24 * loss); only process 0 writes
+    the outputs, and its eval.json is what `jonebit squad-eval` gives for its predictions."""
+    import subprocess
+    import sys
+
+    from tests.mpi_util import worker_env
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert main(_tiny_argv(tiny, one, "--optimizer", "adam")) == 0
+    launched = subprocess.run(
+        [sys.executable, "-m", "jonebit", "launch", "--nproc", "2", "--devices-per-proc", "1", "--timeout", "600",
+         "--", sys.executable, "-m", "jonebit", *_tiny_argv(tiny, two, "--optimizer", "adam")],
+        env=worker_env(), capture_output=True, text=True, timeout=900)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    a, b = ([json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (one, two))
+    assert [r["step"] for r in b] == [1, 2]
+    assert [r["bytes_sent"] for r in b] == [r["bytes_sent"] for r in a]
+    assert abs(a[0]["loss"] - b[0]["loss"]) <= 2.0**-24 * a[0]["loss"]
+    ev = json.loads((two / "eval.json").read_text())
+    assert ev["questions"] == 8
+    assert _squad_eval(tiny[2], two / "predictions.json", capsys) == {k: ev[k] for k in ("exact_match", "f1")}
+    assert (two / "hf" / "model.safetensors").is_file()
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--train-file", "nowhere.json"], r"--train-file: no SQuAD file at nowhere.json"),
     (["--predict-file", "nowhere.json"], r"--predict-file: no SQuAD file at nowhere.json"),

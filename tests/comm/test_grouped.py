@@ -123,8 +123,9 @@ def _compiled_reduces(leaves: int, grouped: bool, p: int = 8) -> int:
     spec = jax.NamedSharding(mesh, P("data"))
     tree = {f"l{i:03d}": jax.ShapeDtypeStruct((p, *s), np.float32, sharding=spec) for i, s in enumerate(shapes)}
     local = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in tree.items()}
-    we, se = jax.tree.map(lambda e: jax.ShapeDtypeStruct((p, *e.shape[1:]), e.dtype, sharding=spec),
-                          common.error_buffers(local, p, fused=False))
+    with grouping(grouped):  # the error layout follows the grouping: one stacked array per group
+        errors = common.error_buffers(local, p, fused=False)
+    we, se = jax.tree.map(lambda e: jax.ShapeDtypeStruct((p, *e.shape[1:]), e.dtype, sharding=spec), errors)
 
     @jax.jit
     @jax.shard_map(mesh=mesh, in_specs=P("data"), out_specs=P("data"))
@@ -143,3 +144,50 @@ def test_program_does_not_grow_a_reduction_per_leaf():
     assert _compiled_reduces(12, grouped=True) == _compiled_reduces(48, grouped=True)
     # The per-buffer computation (before grouping) fails that bound: its reductions grow with every leaf.
     assert _compiled_reduces(48, grouped=False) > 3 * _compiled_reduces(12, grouped=True)
+
+
+def test_stacked_errors_are_the_groups_rows_in_order():
+    """compressed_allreduce_stacked with the errors of each group stacked (row j: the group's j-th buffer) computes
+    what compressed_allreduce_groups computes from the same errors given per buffer, bit for bit (the same
+    program), and hands the new errors back in that layout."""
+    p = 2
+    mesh = mesh_of(p)
+    rng = np.random.default_rng(3)
+    xs, _, _ = inputs(p, rng)
+    wes = [rng.standard_normal((p, padded_size(n, p))).astype(np.float32) for n in SIZES]
+    ses = [rng.standard_normal((p, padded_size(n, p) // p)).astype(np.float32) for n in SIZES]
+    groups, zero_w, zero_s = compressed.stacked_error_buffers(SIZES, p)
+    assert groups == buffer_groups(SIZES)
+    assert [z.shape for z in zero_w] == [(len(g), padded_size(SIZES[g[0]], p)) for g in groups]
+    assert [z.shape for z in zero_s] == [(len(g), padded_size(SIZES[g[0]], p) // p) for g in groups]
+    stacked_w = [np.stack([wes[i] for i in g], axis=1) for g in groups]  # (P, k, n): rank rows, then the group
+    stacked_s = [np.stack([ses[i] for i in g], axis=1) for g in groups]
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+    def call(xs, sw, ss):
+        out = compressed.compressed_allreduce_stacked(
+            get_backend("data", None), [x[0] for x in xs], groups, [w[0] for w in sw], [s[0] for s in ss])
+        return [o[1][None] for o in out], [o[2][None] for o in out], [o[3][None] for o in out]
+
+    put = lambda t: jax.device_put(t, jax.NamedSharding(mesh, P("data")))  # noqa: E731
+    rows, new_w, new_s = jax.tree.map(np.asarray, call(put(xs), put(stacked_w), put(stacked_s)))
+    want_rows, want_w, want_s, _ = runner(p, grouped=True)(xs, wes, ses)
+    for g, idx in enumerate(groups):
+        for j, i in enumerate(idx):
+            np.testing.assert_array_equal(rows[g][:, j], want_rows[i])
+            np.testing.assert_array_equal(new_w[g][:, j], want_w[i])
+            np.testing.assert_array_equal(new_s[g][:, j], want_s[i])
+
+
+def test_stacked_errors_of_the_wrong_shape_are_a_clear_error():
+    backend = get_backend(None, None)  # one rank, outside shard_map
+    xs = [np.ones(5, np.float32), np.ones(5, np.float32), np.ones(3, np.float32)]
+    groups, w, s = compressed.stacked_error_buffers([5, 5, 3], 1)
+    with pytest.raises(ValueError, match=r"2 groups of buffers but 1 worker and 2 server error stacks"):
+        compressed.compressed_allreduce_stacked(backend, xs, groups, w[:1], s)
+    with pytest.raises(ValueError, match=r"a group of 2 buffers of 5 elements needs error stacks \(2, 8\)"):
+        compressed.compressed_allreduce_stacked(backend, xs, groups, [w[0][:1], w[1]], s)
+    swapped = [xs[0], xs[2], xs[1]]  # groups no longer match the lengths
+    with pytest.raises(ValueError, match=r"buffer 1 has shape \(3,\), not \(5,\) like the rest of its group"):
+        compressed.compressed_allreduce_stacked(backend, swapped, groups, w, s)

@@ -80,6 +80,43 @@ def test_world_size_change_resets_errors(tmp_path, caplog):
     assert int(restored["opt_state"].count) == 4
 
 
+def test_per_leaf_round_trip_and_older_per_leaf_layout(tmp_path, caplog):
+    """Per-leaf errors (stacked per group of equal-size leaves) round-trip exactly; a checkpoint holding them one
+    array per leaf (the layout before stacking) restores everything else and resets them, with a warning."""
+    from jonebit.transforms.onebit_adam import leaf_errors
+
+    mesh = data_mesh(8)
+    tx = onebit_adam(1e-2, freeze_step=2, fused=False)
+    params0, grads = setup(8)
+    params0["v"] = np.ones(7, np.float32)  # a second leaf of 7: one group of two
+    grads = [dict(g, v=g["b"] * 0.5) for g in grads]
+    params = replicate(params0, mesh)
+    state, specs = init_optimizer(tx, params, mesh)
+    params, state = train(tx, mesh, params, state, specs, grads, 4)
+    assert [e.shape[1] for e in state.worker_error] == [2, 1]  # "b" and "v" stacked, then "w"
+    assert all(np.any(np.asarray(e)) for e in state.worker_error)
+    checkpoint.save(tmp_path / "new", {"params": params, "opt_state": state}, step=4)
+    restored, _ = checkpoint.restore(tmp_path / "new", {"params": params, "opt_state": state})
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored),
+                 jax.device_get({"params": params, "opt_state": state}))
+
+    per_leaf = state._replace(worker_error=leaf_errors(state.worker_error, params0),
+                              server_error=leaf_errors(state.server_error, params0))
+    checkpoint.save(tmp_path / "old", {"params": params, "opt_state": per_leaf}, step=4)
+    with caplog.at_level(logging.WARNING):
+        restored, step = checkpoint.restore(tmp_path / "old", {"params": params, "opt_state": state})
+    assert step == 4 and "older layout" in caplog.text
+    np.testing.assert_array_equal(np.asarray(restored["opt_state"].mu["w"]), np.asarray(state.mu["w"]))
+    assert [e.shape for e in restored["opt_state"].worker_error] == [e.shape for e in state.worker_error]
+    assert not any(np.any(np.asarray(e)) for e in restored["opt_state"].worker_error)
+    # A fused checkpoint is not an older layout of the per-leaf one: refused by name, as before.
+    fused = onebit_adam(1e-2, freeze_step=2, fused=True)
+    f_state, _ = init_optimizer(fused, params, mesh)
+    checkpoint.save(tmp_path / "fused", {"params": params, "opt_state": f_state}, step=4)
+    with pytest.raises(checkpoint.CheckpointError, match="error buffers"):
+        checkpoint.restore(tmp_path / "fused", {"params": params, "opt_state": state})
+
+
 def test_zero_stage3_onebit_round_trip_and_world_size_guard(tmp_path):
     import functools
 

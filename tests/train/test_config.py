@@ -706,7 +706,8 @@ from jonebit.train.config import load_config, build_optimizer
 cfg = json.loads(os.environ["CFG"])
 tx = build_optimizer(load_config(cfg))
 state = tx.init({"w": jnp.ones((6, 4))})  # no shard_map: only the MPI backend can run here
-print(json.dumps({"env": os.environ.get("MPI4JAX_USE_CUDA_MPI"), "worker": list(state.worker_error["w"].shape)}))
+shapes = [list(e.shape) for e in state.worker_error]
+print(json.dumps({"env": os.environ.get("MPI4JAX_USE_CUDA_MPI"), "worker": shapes}))
 """
 
 
@@ -724,9 +725,9 @@ def test_mpi_backend_is_selected(cuda_aware, env):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     # A singleton MPI run (1 rank) built the MPI backend outside shard_map; without fp16 the config compresses
-    # per tensor (DeepSpeed's fp32 path), so the error buffers are a tree like the params.
+    # per tensor (DeepSpeed's fp32 path): one stacked error array per group of equal-size leaves, here one leaf.
     assert out["env"] == env  # cuda_aware set mpi4jax's mode
-    assert out["worker"] == [1, padded_size(24, 1)]
+    assert out["worker"] == [[1, 1, padded_size(24, 1)]]
 
 
 @pytest.mark.parametrize(

@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jonebit  # noqa: E402
 from jonebit.experimental import OneBitAdamOptions  # noqa: E402
+from jonebit.transforms.onebit_adam import leaf_errors  # noqa: E402
 from jonebit.transforms.phases import jit_per_phase  # noqa: E402
 
 RECORDING = pathlib.Path(__file__).with_suffix(".npz")
@@ -146,6 +147,9 @@ NOT_RECORDED = ("skipped", "stage")  # counters that a wrapper may own instead; 
 # Fields added since the recording (layout, not arithmetic): the index of the phase the last update ran, and of
 # the phase the next one runs.
 ADDED = ("state/phase", "state/next_phase")
+# Per-leaf error buffers kept since the recording as one stacked array per group of equal-size leaves (layout, not
+# arithmetic): compared per leaf, as recorded. The ZeRO variant's tuple of groups is its own, older layout.
+STACKED_ERRORS = {name: ("OneBitAdamState", "ZeroOneAdamState") for name in ("worker_error", "server_error")}
 
 
 def optimizer_fields(state) -> dict[str, np.ndarray]:
@@ -160,7 +164,10 @@ def optimizer_fields(state) -> dict[str, np.ndarray]:
     for name in names:
         if name in NOT_RECORDED:
             continue
-        for path, leaf in jax.tree_util.tree_leaves_with_path(getattr(node, name)):
+        value = getattr(node, name)
+        if name in STACKED_ERRORS and type(node).__name__ in STACKED_ERRORS[name]:
+            value = leaf_errors(value, params0())  # layout since the recording: stacked per group of equal sizes
+        for path, leaf in jax.tree_util.tree_leaves_with_path(value):
             out[f"{name}{jax.tree_util.keystr(path)}"] = np.asarray(jax.device_get(leaf))
     return out
 

@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 import jonebit
 from jonebit import onebit_adam, sharded_init, state_specs
 from jonebit.experimental import OneBitAdamOptions, adam_ratio_bound
+from jonebit.transforms.onebit_adam import leaf_errors
 from tests.reference import NumpyOneBitAdam, NumpyOneBitAdamFull
 
 
@@ -70,7 +71,7 @@ def test_matches_numpy_reference_through_freeze(fused):
     if fused:
         assert state.worker_error.shape == (4, 64)  # 13 + 35 = 48 elements, padded to a multiple of 4 * 8
     we = ref.we[None] if fused else ref.we["w"]
-    got_we = state.worker_error if fused else state.worker_error["w"]
+    got_we = state.worker_error if fused else leaf_errors(state.worker_error, state.mu)["w"]
     np.testing.assert_allclose(np.asarray(got_we), np.stack(we), rtol=1e-4, atol=1e-5)
 
 
@@ -135,11 +136,13 @@ def test_row_scales_match_numpy_reference_through_freeze(p):
             np.testing.assert_allclose(got[k], expect[k], rtol=2e-5, atol=2e-6, err_msg=f"step {t} leaf {k}")
     state, ref = history[-1][2], history[-1][3]
     # "w" (5, 7): 5 rows of 7, padded to 8p rows; "b" (13,) keeps one scale per leaf and chunk.
-    assert state.worker_error["w"].shape == (p, 8 * p * 7)  # 7 floats a row: 8 rows a rank for whole bytes
-    assert state.server_error["w"].shape == (p, 8 * 7)
+    we = leaf_errors(state.worker_error, state.mu, row_scales=True)
+    se = leaf_errors(state.server_error, state.mu, row_scales=True)
+    assert we["w"].shape == (p, 8 * p * 7)  # 7 floats a row: 8 rows a rank for whole bytes
+    assert se["w"].shape == (p, 8 * 7)
     for name in ("w", "b"):
-        np.testing.assert_allclose(np.asarray(state.worker_error[name]), np.stack(ref.we[name]), rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(np.asarray(state.server_error[name]), np.stack(ref.se[name]), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(we[name]), np.stack(ref.we[name]), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(se[name]), np.stack(ref.se[name]), rtol=1e-4, atol=1e-5)
     # The rows really have their own scales: the per-leaf compression gives other momenta.
     per_leaf = run_both(p, steps=7, freeze_step=2, fused=False, wd=0.01)
     assert not np.allclose(np.asarray(per_leaf[-1][2].mu["w"]), np.asarray(state.mu["w"]), rtol=1e-3)
@@ -261,10 +264,12 @@ def test_state_specs_and_sharding():
     state, specs = sharded_init(tx, params0, mesh)
     inner = state[1]
     assert isinstance(inner, jonebit.OneBitAdamState)
-    assert specs[1].worker_error["w"] == P("data") and specs[1].mu["w"] == P() and specs[1].count == P()
-    assert inner.worker_error["w"].shape == (p, 64)  # padded_size(35, 8) = 64
-    assert inner.server_error["b"].shape == (p, 8)
-    assert inner.worker_error["w"].sharding.spec[0] == "data"
+    # Per leaf, the errors of equal-size leaves are stacked: "b" (13) and "w" (35) are two groups of one.
+    assert specs[1].worker_error == (P("data"), P("data")) and specs[1].mu["w"] == P() and specs[1].count == P()
+    assert leaf_errors(inner.worker_error, params0)["w"].shape == (p, 64)  # padded_size(35, 8) = 64
+    assert leaf_errors(inner.server_error, params0)["b"].shape == (p, 8)
+    assert [e.shape for e in inner.worker_error] == [(p, 1, 64), (p, 1, 64)]  # tree order: "b", then "w"
+    assert all(e.sharding.spec[0] == "data" for e in inner.worker_error)
     assert state_specs(jax.eval_shape(lambda: state)) == specs
 
 

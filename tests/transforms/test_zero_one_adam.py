@@ -8,6 +8,7 @@ from jax.sharding import PartitionSpec as P
 import jonebit
 from jonebit import sharded_init, state_specs, zero_one_adam
 from jonebit.sharding.zero import zero_shardings
+from jonebit.transforms.onebit_adam import leaf_errors
 from tests.reference_family import NumpyZeroOneAdam
 from tests.transforms.family_util import (
     check_compact_mask,
@@ -175,14 +176,16 @@ def test_state_layout_specs_and_zero_shardings():
     inner, spec = state[1], specs[1]
     assert isinstance(inner, jonebit.ZeroOneAdamState)
     assert spec.mu["w"] == P("data") and spec.momentum_accumulator["w"] == P("data")
-    assert spec.worker_error["w"] == P("data") and spec.nu["w"] == P() and spec.count == P() and spec.lrs == P()
+    assert spec.worker_error == (P("data"),) * 3 and spec.nu["w"] == P() and spec.count == P() and spec.lrs == P()
     assert inner.mu["w"].shape == (p, 5, 7) and inner.nu["w"].shape == (5, 7)
-    assert inner.worker_error["w"].shape == (p, 64) and inner.server_error["b"].shape == (p, 8)
+    # Per leaf, one stacked error array per group of equal-size leaves ("b" 13, "w" 35, "z" 24: three groups of one).
+    we, se = leaf_errors(inner.worker_error, params0), leaf_errors(inner.server_error, params0)
+    assert we["w"].shape == (p, 64) and se["b"].shape == (p, 8)
     assert state_specs(jax.eval_shape(lambda: state)) == specs
     # The ZeRO planner keeps the per-rank rows on the data axis and m, v whole, at every stage.
     for stage in (0, 1, 3):
         sh = zero_shardings(mesh, params0, jax.eval_shape(lambda: state), stage=stage).opt_state[1]
-        assert sh.mu["w"].spec == P("data") and sh.nu["w"].spec == P() and sh.worker_error["b"].spec == P("data")
+        assert sh.mu["w"].spec == P("data") and sh.nu["w"].spec == P() and sh.worker_error[0].spec == P("data")
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,125 @@
+"""Compile time and peak compile memory of the 1-bit Adam step as the number of leaves grows, per leaf and fused.
+
+Each case compiles in a fresh subprocess, so its peak memory is its own (the child's maximum resident set size,
+with the resident size just before compiling beside it): the synthetic BERT-like tree of ``perleaf_compile.py``
+with ``N`` leaves (hidden 128), 8 simulated CPU devices, and the **compression-stage program** of
+``make_update`` (the program jonebit's step builders run on every step after the freeze; the warmup program is
+plain Adam and smaller) for 1-bit Adam per leaf (the default) and fused, lowered from abstract arguments (no
+gradient buffers held) and compiled. ``optax.adamw`` with an fp32 mean allreduce is the scale.
+
+    python benchmarks/compile_scaling.py [--leaves 200 2000] [--forms perleaf fused adamw]
+    python benchmarks/compile_scaling.py --src /path/to/older/checkout --tag before   # the same cases, older code
+
+Writes ``results/compile_scaling/<tag or compile_scaling>.json``; prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import resource
+import subprocess
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent
+FORMS = ("perleaf", "fused", "adamw")
+
+
+def _child(leaves: int, form: str) -> None:
+    """Compiles one case in this (fresh) process; prints one JSON line."""
+    src = os.environ.get("JONEBIT_SRC")
+    sys.path.insert(0, str(HERE))
+    if src:
+        sys.path.insert(0, src)
+    import common  # noqa: F401  (8 CPU devices)
+    import jax
+    import optax
+    from common import abstract, abstract_state
+    from jax.sharding import PartitionSpec as P
+    from perleaf_compile import bert_like
+
+    import jonebit
+    from jonebit.train.data_parallel import data_mesh, make_update
+
+    mesh = data_mesh(8)
+    shapes = bert_like(leaves, 128)
+    params = abstract(shapes, mesh)
+    grads = abstract(shapes, mesh, spec=P("data"), lead=8)
+    if form == "adamw":
+        tx, reduce, phases = optax.adamw(1e-4), "mean", None
+    else:
+        tx = jonebit.onebit_adam(1e-4, freeze_step=1, fused=form == "fused")
+        reduce, phases = None, ((jonebit.OneBitAdamState, "compression"),)
+    state, specs = abstract_state(tx, params, mesh)
+    update = make_update(tx, mesh, specs, grad_reduce=reduce)
+    t0 = time.perf_counter()
+    lowered = update.lower(params, state, grads, phases=phases) if phases else update.lower(params, state, grads)
+    t1 = time.perf_counter()
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    text = compiled.as_text()
+    ops = sum(1 for line in text.splitlines() if " = " in line and not line.lstrip().startswith(("HloModule", "//")))
+    print(json.dumps({"leaves": leaves, "form": form, "lower_s": t1 - t0, "compile_s": t2 - t1,
+                      "rss_before_gib": rss_before,
+                      "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                      "hlo_ops": ops, "arguments": len(jax.tree.leaves((params, state, grads)))}))
+
+
+def measure(leaves: int, form: str, src: str | None, timeout: float) -> dict:
+    env = dict(os.environ)
+    if src:
+        env["JONEBIT_SRC"] = src
+    out = subprocess.run([sys.executable, __file__, "--child", str(leaves), form], env=env, capture_output=True,
+                         text=True, timeout=timeout)
+    lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"{leaves} leaves, {form}: exit {out.returncode}\n{(out.stdout + out.stderr)[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        _child(int(sys.argv[2]), sys.argv[3])
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--leaves", type=int, nargs="+", default=[200, 2000])
+    ap.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS))
+    ap.add_argument("--src", help="a jonebit checkout to measure instead of this one (its jonebit package is used)")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per case before it is abandoned")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    sys.path.insert(0, str(HERE))
+    from common import table, write_json
+
+    src = None
+    if args.src:
+        head = subprocess.run(["git", "-C", args.src, "rev-parse", "HEAD"], capture_output=True, text=True)
+        src = {"path": args.src, "commit": head.stdout.strip() or None}
+    rows = []
+    for leaves in args.leaves:
+        for form in args.forms:
+            print(f"compiling {leaves} leaves, {form} ...", flush=True)
+            rows.append(measure(leaves, form, args.src, args.timeout))
+            for row in rows:
+                fused = next((r for r in rows if r["leaves"] == row["leaves"] and r["form"] == "fused"), None)
+                row["vs_fused"] = row["compile_s"] / fused["compile_s"] if fused else None
+            print(json.dumps(rows[-1]), flush=True)
+            # Rewritten after every case: an interrupted study keeps what it measured.
+            path = write_json("compile_scaling", tag=args.tag, payload={"source": src, "rows": rows,
+                                                                        "complete": False})
+    columns = [("leaves", "leaves"), ("form", "form"), ("arguments", "program arguments"),
+               ("lower_s", "lower s"), ("compile_s", "compile s"), ("vs_fused", "x fused"),
+               ("peak_rss_gib", "peak RSS GiB"), ("rss_before_gib", "RSS before compile GiB"), ("hlo_ops", "HLO ops")]
+    print(table(rows, columns))
+    path = write_json("compile_scaling", tag=args.tag, payload={"source": src, "rows": rows, "complete": True})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
