@@ -1,0 +1,40 @@
+"""The compile-scaling table of benchmarks/BENCHMARKS.md is its result files', and they hold what the section
+concludes: at 2,000 leaves the default per-leaf program compiles within 2x of the fused one and faster than the
+per-leaf program of the code before its error buffers were stacked."""
+
+import json
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results" / "compile_scaling"
+
+
+def _rows():
+    now = json.loads((RESULTS / "compile_scaling.json").read_text())
+    before = json.loads((RESULTS / "before.json").read_text())
+    commit = before["source"]["commit"][:7]
+    return ([("stacked errors", r) for r in now["rows"]] + [(f"before ({commit})", r) for r in before["rows"]],
+            now, before)
+
+
+def _line(code: str, r: dict) -> str:
+    ratio = "-" if r["vs_fused"] is None else f"{r['vs_fused']:.2f}"
+    return (f"| {code} | {r['leaves']:,} | {r['form']} | {r['arguments']:,} | {r['compile_s']:.1f} | {ratio} | "
+            f"{r['peak_rss_gib']:.2f} | {r['hlo_ops']:,} |")
+
+
+def test_the_docs_table_is_the_result_files():
+    text = (ROOT / "benchmarks" / "BENCHMARKS.md").read_text()
+    rows, _, _ = _rows()
+    for code, r in rows:
+        assert _line(code, r) in text, _line(code, r)
+
+
+def test_the_result_files_hold_the_conclusion():
+    _, now, before = _rows()
+    assert now["complete"] and before["complete"]
+    new = {r["form"]: r for r in now["rows"] if r["leaves"] == 2000}
+    old = {r["form"]: r for r in before["rows"] if r["leaves"] == 2000}
+    assert new["perleaf"]["compile_s"] <= 2 * new["fused"]["compile_s"]
+    assert new["perleaf"]["compile_s"] < old["perleaf"]["compile_s"]
+    assert new["perleaf"]["arguments"] < old["perleaf"]["arguments"]
