@@ -61,7 +61,7 @@ def readme_claims() -> list[str]:
             f"sends {ratio}x fewer bytes than an fp32 allreduce",
             f"Python {requires}+",
             f"with a {parser.get_default('vocab_size'):,}-token WordPiece vocabulary",
-            f"over {pretrain._DEFAULT_DEVICES} simulated CPU devices"]
+            f"over {pretrain.DEFAULT_DEVICES} simulated CPU devices"]
 
 
 def _pretrain_parser():

@@ -217,7 +217,6 @@ def main(argv=None) -> int:
                 rows[name] = run_arm(args, layout, cluster, name, cfg, data,
                                      args.workdir / f"{args.tag}{rate}" / name)
         adam, onebit = rows["adam"], rows["onebit_adam"]
-        reached = time_to_loss(onebit["curve"], adam["heldout_mlm_loss"])
         payload = {"meta": run_meta(), "rate": rate, "hosts": args.hosts, "model": args.model, "seq": args.seq,
                    "batch": args.batch, "steps": args.steps, "freeze": args.freeze, "data": data,
                    "arms": rows, **compare(adam, onebit)}
@@ -241,6 +240,7 @@ def main(argv=None) -> int:
             ax.legend()
             fig.tight_layout()
             fig.savefig(path.with_suffix(".png"), dpi=120)
+        reached = payload["onebit_time_to_target_s"]
         said = "never reached it" if reached is None else f"reached it after {reached:.0f} s " \
             f"({adam['wall_s'] / reached:.2f}x faster)"
         print(f"\n{rate}: Adam ends at {adam['heldout_mlm_loss']:.3f} after {adam['wall_s']:.0f} s; 1-bit Adam {said}; "

@@ -25,6 +25,8 @@ import sys
 import time
 from typing import Any
 
+from jonebit.apps import DEFAULT_DEVICES
+
 log = logging.getLogger(__name__)
 
 # The embedded default's optimizers: same schedule; 1-bit Adam freezes after 40% of the steps. A short run spends a
@@ -33,7 +35,6 @@ log = logging.getLogger(__name__)
 # are the settings that converge on small models. variance_refresh=16 (every 16th compressed update exact, and the
 # variance refreshed) won on the validation split over 3 seeds (benchmarks/pretrain_protocol.py).
 _DEFAULT_STEPS = 300
-_DEFAULT_DEVICES = 8  # simulated CPU devices of a single process
 _EVAL_POINTS = 5  # held-out evaluations through the embedded run (the last at its end)
 # The embedded corpus's evaluation splits (documents from its end, in pydoc_data's alphabetical topic order): the
 # held-out split (results) holds 20% of the text, the validation split (choices) 11%; two masking passes give each
@@ -382,7 +383,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-resume", dest="resume", action="store_false", help="refuse to continue an existing run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--devices", type=int, default=None,
-                   help=f"simulated CPU devices of this process when running on CPU (default {_DEFAULT_DEVICES}, or "
+                   help=f"simulated CPU devices of this process when running on CPU (default {DEFAULT_DEVICES}, or "
                         "what `jonebit launch --devices-per-proc` set)")
     p.set_defaults(func=main)
 
@@ -391,17 +392,10 @@ def main(args) -> int:
     """Runs ``jonebit pretrain``; returns the exit code."""
     import jax
 
-    devices = args.devices or (None if os.environ.get("JAX_NUM_CPU_DEVICES") else _DEFAULT_DEVICES)
-    if devices:
-        try:  # a CPU "cluster" of N devices in this process; no effect on GPU backends or once jax has started
-            jax.config.update("jax_num_cpu_devices", devices)
-        except RuntimeError:
-            pass
-    from jonebit.sharding.mesh import initialize_distributed
+    from jonebit.apps import start_devices
     from jonebit.train.config import ConfigError
 
-    # Under `jonebit launch`, SLURM or mpirun the processes form one job (a no-op for a single process).
-    initialize_distributed()
+    start_devices(args.devices)
     lead = jax.process_index() == 0
 
     out = pathlib.Path(args.output)

@@ -37,10 +37,11 @@ import sys
 import time
 from typing import Any
 
+from jonebit.apps import DEFAULT_DEVICES
+
 log = logging.getLogger(__name__)
 
 RECIPE_FILE = "squad_onebit_adam.json"
-_DEFAULT_DEVICES = 8  # simulated CPU devices of a single process
 
 
 class _FromRecipe:
@@ -620,7 +621,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--data-parallel", type=int, help="train on the first N devices (default: all of them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--devices", type=int, default=None,
-                   help=f"simulated CPU devices of this process when running on CPU (default {_DEFAULT_DEVICES}, or "
+                   help=f"simulated CPU devices of this process when running on CPU (default {DEFAULT_DEVICES}, or "
                         "what `jonebit launch --devices-per-proc` set)")
     p.set_defaults(func=main)
 
@@ -639,17 +640,10 @@ def main(args) -> int:
     """Runs ``jonebit squad``; returns the exit code."""
     import jax
 
-    devices = args.devices or (None if os.environ.get("JAX_NUM_CPU_DEVICES") else _DEFAULT_DEVICES)
-    if devices:
-        try:  # a CPU "cluster" of N devices in this process; no effect on GPU backends or once jax has started
-            jax.config.update("jax_num_cpu_devices", devices)
-        except RuntimeError:
-            pass
-    from jonebit.sharding.mesh import initialize_distributed
+    from jonebit.apps import start_devices
     from jonebit.train.config import ConfigError
 
-    # Under `jonebit launch`, SLURM or mpirun the processes form one job (a no-op for a single process).
-    initialize_distributed()
+    start_devices(args.devices)
 
     try:
         result = run(
