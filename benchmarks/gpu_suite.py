@@ -15,6 +15,7 @@ Timed arms alternate step by step and medians are reported, so drift in clocks o
 
     python benchmarks/gpu_suite.py                      # GPU, sized for < 6 minutes on one H200
     python benchmarks/gpu_suite.py --dry-run --out x.json  # CPU, tiny sizes, same code paths (tens of seconds)
+    python benchmarks/gpu_suite.py --sections bert_step    # only the named sections; the others read "skipped"
 
 Writes one JSON file (default ``benchmarks/results/gpu_suite/gpu_suite.json``; the dry run defaults to a temporary
 file), rewritten after every section so that an interrupted run keeps what it measured. With ``$OUT`` set and no
@@ -64,6 +65,9 @@ FLOPS_FORMULA = (
 )
 
 
+SECTIONS = ("packing", "optimizer_step", "bert_step")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, same code paths")
@@ -71,6 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, help="timed repeats per arm (default 20, dry run 3)")
     p.add_argument("--budget-s", type=float, default=360.0, help="skip what is left once this much time has passed")
     p.add_argument("--bert-batch", type=int, help="BERT sequences per step (default 32, dry run 2)")
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="NAME",
+                   help=f"run only these sections (default all: {' '.join(SECTIONS)})")
     return p.parse_args(argv)
 
 
@@ -498,6 +504,10 @@ def main(args: argparse.Namespace, argv: list[str]) -> dict:
     }
     for name, run in sections.items():
         t0 = time.perf_counter()
+        if name not in args.sections:
+            report[name] = {"skipped": "not selected (--sections)"}
+            write(report, out, extra)
+            continue
         if clock.over():
             report[name] = {"skipped": f"time budget of {args.budget_s:.0f} s spent ({clock.elapsed():.0f} s)"}
             say(f"\n## {name}: skipped, {report[name]['skipped']}")

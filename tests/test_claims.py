@@ -114,6 +114,12 @@ def results_claims() -> list[str]:
                   f"{100 * onebit['bytes_sent_per_rank'] / adam['bytes_sent_per_rank']:.0f}% of Adam's bytes")
     claims.append(f"loss ended {100 * ttl['final_loss_gap']:.1f}% above Adam's")
     claims.append(f"no sooner than Adam did ({ttl['speedup_to_common']:.2f}x)")
+    fast = _load("time_to_loss/1gbit.json")
+    assert fast["arms"]["adam"]["heldout_mlm_loss"] == adam["heldout_mlm_loss"]  # "the same computation, bit for bit"
+    assert fast["arms"]["onebit_adam"]["heldout_mlm_loss"] == onebit["heldout_mlm_loss"]
+    claims.append("At 1 Gbit/s (the same\n  computation, bit for bit)")
+    claims.append(f"it finished only {fast['wall_ratio']:.2f}x sooner")
+    claims.append(f"later than Adam ({fast['speedup_to_common']:.2f}x)")
     # Memory.
     zm = {r["variant"]: r for r in _rows("zero_memory/zero_memory.json", precision="fp32", offload=False)}
     s0 = zm["0"]["device_mb"]
