@@ -48,7 +48,7 @@ demo: $(VENV)/.stamp-base
 # One pytest worker per core (XLA compiles on one thread, so two workers on two cores nearly halve the run); a
 # test file stays on one worker, which keeps its module fixtures shared.
 test: $(VENV)/.stamp-dev $(VENV)/.stamp-mpi
-	PATH="$(VENV_PATH)" $(PY) -m pytest -q -n auto --dist loadfile --durations=20
+	PATH="$(VENV_PATH)" $(PY) -m pytest -q -n auto --dist loadfile --durations=40
 
 lint: $(VENV)/.stamp-dev
 	$(VENV)/bin/ruff check .
