@@ -352,6 +352,17 @@ def ungroup(groups, field: int, count: int) -> list:
     return out
 
 
+def compressed_mean_leaves(backend: Backend, leaves, worker_stacks, server_stacks, rows=None):
+    """Each array of ``leaves`` through its own compressed allreduce, the errors kept stacked per group of
+    equal-size leaves (:func:`stacked_error_buffers` of the leaf sizes, with a leading axis of 1 as optimizer
+    states hold them): ``(decoded leaves, worker stacks, server stacks)``, the stacks with that axis again."""
+    sizes = [int(np.prod(jnp.shape(x))) for x in leaves]
+    groups = compressed_allreduce_stacked(backend, [jnp.ravel(x) for x in leaves], buffer_groups(sizes, rows),
+                                          [we[0] for we in worker_stacks], [se[0] for se in server_stacks], rows)
+    decoded = [d.reshape(jnp.shape(x)) for d, x in zip(decode_groups(groups, sizes, rows), leaves, strict=True)]
+    return decoded, tuple(g[2][None] for g in groups), tuple(g[3][None] for g in groups)
+
+
 def decode_groups(groups, sizes, rows=None) -> list[jax.Array]:
     """The decoded float32 buffers of :func:`compressed_allreduce_groups` (buffer ``i``: ``sizes[i]`` values).
 

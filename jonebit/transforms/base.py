@@ -20,10 +20,8 @@ import numpy as np
 
 from jonebit.comm.backends import AxisBackend, Backend, as_varying, get_backend, varying_axes
 from jonebit.comm.compressed import (
-    buffer_groups,
     compressed_allreduce_rows,
-    compressed_allreduce_stacked,
-    decode_groups,
+    compressed_mean_leaves,
     decode_segments,
     padded_size,
     stacked_error_buffers,
@@ -348,11 +346,8 @@ def compressed_mean(backend: Backend, tree, worker_error, server_error, *, fused
         parts, we, se = compressed_mean_flat(backend, flatten(tree), worker_error, server_error,
                                              [x.size for x in leaves])
         return treedef.unflatten([p.reshape(x.shape) for p, x in zip(parts, leaves, strict=True)]), we, se
-    groups = buffer_groups([x.size for x in leaves])
-    groups = compressed_allreduce_stacked(backend, [jnp.ravel(x) for x in leaves], groups,
-                                          [we[0] for we in worker_error], [se[0] for se in server_error])
-    out = [d.reshape(x.shape) for d, x in zip(decode_groups(groups, [x.size for x in leaves]), leaves, strict=True)]
-    return treedef.unflatten(out), tuple(g[2][None] for g in groups), tuple(g[3][None] for g in groups)
+    out, we, se = compressed_mean_leaves(backend, leaves, worker_error, server_error)
+    return treedef.unflatten(out), we, se
 
 
 def apply_mask(tree, mask):

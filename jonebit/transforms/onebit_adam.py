@@ -49,8 +49,7 @@ from jonebit.comm.backends import Backend, as_varying
 from jonebit.comm.compressed import (
     buffer_groups,
     compressed_allreduce_rows,
-    compressed_allreduce_stacked,
-    decode_groups,
+    compressed_mean_leaves,
     decode_segments,
     padded_size,
     stacked_error_buffers,
@@ -239,14 +238,10 @@ def compress(backend, m_local, worker_error, server_error, *, fused: bool, row_s
     # all-to-all and one all-gather (same bytes, two collectives instead of two per leaf). Leaves of the same size
     # are compressed as one stacked batch (own scales per leaf, bit for bit), their errors kept stacked in the state.
     rows = [_row_of(x) for x in leaves] if row_scales else None
-    groups = buffer_groups([x.size for x in leaves], rows)
-    groups = compressed_allreduce_stacked(backend, [jnp.ravel(x) for x in leaves], groups,
-                                          [we[0] for we in worker_error], [se[0] for se in server_error], rows)
-    wes, ses = tuple(g[2][None] for g in groups), tuple(g[3][None] for g in groups)
+    decoded, wes, ses = compressed_mean_leaves(backend, leaves, worker_error, server_error, rows)
     if not error_feedback:
         wes, ses = jax.tree.map(jnp.zeros_like, wes), jax.tree.map(jnp.zeros_like, ses)
-    m = _unflatten_like(decode_groups(groups, [x.size for x in leaves], rows), leaves, treedef)
-    return m, wes, ses
+    return _unflatten_like(decoded, leaves, treedef), wes, ses
 
 
 def _compress_hierarchical(backend, m_local, worker_error, server_error, *, fused: bool, error_feedback: bool):
