@@ -7,6 +7,13 @@ _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
+# Compile with XLA's optimisations mostly off (LLVM -O0, no expensive passes): the suite spends most of its time
+# compiling 8-device programs that then run a few steps, and this cuts its CPU time by about a fifth. Tests assert
+# semantics with bounds derived for any summation order, so the level does not change what they prove; the default
+# level's exact arithmetic is pinned by the golden replay, which runs at the default level in its own process.
+# Subprocesses (CLI runs, launched and MPI ranks) inherit it. Benchmarks run at the default level.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
 # One compilation cache for the whole run, shared with the subprocesses (CLI runs, multi-process and MPI ranks):
 # tests that compile a program another test already compiled load it instead. It lives and dies with the run, so
 # no run depends on an earlier one.

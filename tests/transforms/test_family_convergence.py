@@ -12,12 +12,12 @@ from tests.transforms.family_util import mesh_of
 from tests.transforms.test_convergence import DIM, STEPS, WORKERS, problem
 
 
-def train(tx, per_rank: bool, random_start: bool = False):
+def train(tx, per_rank: bool, start: int | None = None):
     a, b, loss_opt = problem()
     mesh = mesh_of(WORKERS)
     # LAMB starts away from zero: its trust ratio ||p|| / ||u|| is frozen at the freeze point, which assumes ||p||
     # has settled (from zero it grows throughout the run).
-    x0 = np.random.default_rng(1).standard_normal(DIM).astype(np.float32) if random_start else \
+    x0 = np.random.default_rng(start).standard_normal(DIM).astype(np.float32) if start is not None else \
         np.zeros(DIM, np.float32)
     params = {"x": x0}
     state, specs = sharded_init(tx, params, mesh)
@@ -60,12 +60,20 @@ def test_zero_one_adam_with_local_steps_matches_adam():
     assert zero_one < 2 * adam
 
 
-def test_onebit_lamb_matches_lamb():
-    """Within 3x of LAMB's excess loss. The frozen trust ratio makes the freeze point matter (measured: freezing at
-    update 200 of 400, near convergence with the ratio at max_coeff, lets the fresh-variance factor grow the step
-    until the loss rises to 12; at lr 1e-2 a freeze at 100 keeps a ratio that is still growing, excess 1.6 vs 0.18)."""
+def test_onebit_lamb_matches_lamb_from_every_start():
+    """Within 3x of LAMB's excess loss from each of six random starts, freezing after a quarter of the run, with the
+    trust ratio clamped at max_coeff=1 for both (measured: 1.3-1.8x; excess 0.30-0.68 against 0.23-0.43, from
+    210-521 at the start).
+
+    Why the clamp: LAMB's trust ratio ||p|| / ||u|| grows as the update shrinks near the optimum (to ~9 of the default
+    max_coeff 10 by update 100 here). LAMB recomputes it every step, so it falls again as soon as the steps grow;
+    1-bit LAMB freezes its EMA, and a frozen 9x step on a frozen preconditioner oscillates and diverges from some
+    starts (default max_coeff, freeze 100: two of six starts end at 72 and 767). DeepSpeed's arithmetic, checked
+    against its own code by the golden tests; docs/optimizers.md tells users to clamp or to freeze earlier."""
     lr = 3e-2
-    lamb = train(onebit_lamb(lr, freeze_step=STEPS + 1), False, True)  # LAMB throughout, on mean gradients
-    onebit = train(onebit_lamb(lr, freeze_step=100), False, True)
-    print(f"excess loss: lamb {lamb:.3e}  1-bit lamb {onebit:.3e}")
-    assert onebit < 3 * lamb + 1e-4
+    for start in range(1, 7):
+        # LAMB throughout (never frozen), on mean gradients.
+        lamb = train(onebit_lamb(lr, freeze_step=STEPS + 1, max_coeff=1.0), False, start)
+        onebit = train(onebit_lamb(lr, freeze_step=100, max_coeff=1.0), False, start)
+        print(f"start {start}: excess loss lamb {lamb:.3e}  1-bit lamb {onebit:.3e}")
+        assert onebit < 3 * lamb, start
