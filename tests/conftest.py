@@ -11,7 +11,8 @@ if _flag not in os.environ.get("XLA_FLAGS", ""):
 # compiling 8-device programs that then run a few steps, and this cuts its CPU time by about a fifth. Tests assert
 # semantics with bounds derived for any summation order, so the level does not change what they prove; the default
 # level's exact arithmetic is pinned by the golden replay, which runs at the default level in its own process.
-# Subprocesses (CLI runs, launched and MPI ranks) inherit it. Benchmarks run at the default level.
+# Subprocesses (CLI runs, launched and MPI ranks) inherit it. Benchmarks run at the default level, and so does a test
+# marked ``optimized`` (one that trains for many steps, where unoptimised code costs more than compiling saves).
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 # One compilation cache for the whole run, shared with the subprocesses (CLI runs, multi-process and MPI ranks):
@@ -40,6 +41,22 @@ def shared_data():
     if not path.is_dir():
         pytest.skip("../shared/data not present")
     return path
+
+
+@pytest.fixture(autouse=True)
+def _optimisation_level(request, monkeypatch):
+    if request.node.get_closest_marker("optimized") is None:
+        yield
+        return
+    import jax
+
+    before = jax.config.read("jax_disable_most_optimizations")
+    monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")  # and for the subprocesses it starts
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
 
 
 def pytest_sessionfinish(session, exitstatus):

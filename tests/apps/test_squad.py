@@ -184,6 +184,7 @@ def _predict(init: pathlib.Path, data: dict, seq: int, query: int, kind: str = "
 
 
 @pytest.mark.slow
+@pytest.mark.optimized
 def test_squad_fine_tuning_learns_the_synthetic_task(tmp_path, minilm):
     train, dev = synthetic_squad(128, seed=0), synthetic_squad(32, seed=1)
     from jonebit.data.squad_metric import evaluate
