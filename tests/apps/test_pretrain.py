@@ -12,13 +12,24 @@ from jonebit.cli import main
 from jonebit.data.tokenization import load_wordpiece
 
 
+# The embedded default at tiny sizes. Fewer evaluation documents than the default's 11 + 5 (checked on their own
+# below): at these sizes scoring the full splits at every evaluation point costs more than the training does.
+HELDOUT, VALIDATION = 3, 2
+TINY = ["--max-steps", "8", "--seq-len", "32", "--vocab-size", "400", "--dupe-factor", "1", "--batch-size", "32",
+        "--heldout-documents", str(HELDOUT), "--validation-documents", str(VALIDATION)]
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("pretrain")
-    code = main(["pretrain", "--output", str(out), "--max-steps", "8", "--seq-len", "32", "--vocab-size", "400",
-                 "--dupe-factor", "1", "--batch-size", "32"])
-    assert code == 0
+    assert main(["pretrain", "--output", str(out), *TINY]) == 0
     return out
+
+
+def test_embedded_default_holds_out_its_evaluation_splits():
+    from jonebit.apps.pretrain import _EMBEDDED_HELDOUT, _EMBEDDED_VALIDATION, _default_heldout
+
+    assert (_default_heldout(None), _EMBEDDED_HELDOUT, _EMBEDDED_VALIDATION) == (11, 11, 5)
 
 
 def test_embedded_default_writes_runs_table_and_curves(run_dir, capsys):
@@ -49,12 +60,11 @@ def test_embedded_default_writes_runs_table_and_curves(run_dir, capsys):
 def test_embedded_vocabulary_is_trained_on_the_training_documents_only(run_dir):
     """The vocabulary is what train_wordpiece gives on the training split's sentences, not on the whole corpus
     (held-out words would otherwise be in it: the held-out loss would score text the vocabulary was fitted to)."""
-    from jonebit.apps.pretrain import _EMBEDDED_HELDOUT, _EMBEDDED_VALIDATION
     from jonebit.data.pretraining import PretrainingOptions, iter_texts, read_documents, split_documents
     from jonebit.data.tokenization import train_wordpiece
 
     corpus = run_dir / "corpus.txt"
-    options = PretrainingOptions(heldout_documents=_EMBEDDED_HELDOUT, validation_documents=_EMBEDDED_VALIDATION)
+    options = PretrainingOptions(heldout_documents=HELDOUT, validation_documents=VALIDATION)
     train = split_documents(read_documents([corpus]), options)["train"]
     ours = load_wordpiece(run_dir / "vocab.txt").fingerprint()
     assert train_wordpiece((s for d in train for s in d), 400, progress=False).fingerprint() == ours
@@ -139,8 +149,7 @@ def test_a_run_refuses_a_changed_model_and_no_resume_over_checkpoints(run_dir, c
     """The resume wiring of ``jonebit pretrain`` on the embedded run's output: a changed model is refused (the
     saved state depends on it), and so is --no-resume where checkpoints exist. (Resuming, and the warning about a
     changed learning rate, are checked through the script in tests/test_scripts.py.)"""
-    common = ["pretrain", "--output", str(run_dir), "--max-steps", "8", "--seq-len", "32", "--vocab-size", "400",
-              "--dupe-factor", "1", "--batch-size", "32"]
+    common = ["pretrain", "--output", str(run_dir), *TINY]
     assert main([*common, "--model", "mini"]) == 2
     assert re.search(r"cannot resume the run in .*: its checkpoint was written with other settings that the saved "
                      r"state depends on \(.*pretrain\.model: 'tiny' -> 'mini'", capsys.readouterr().err)
@@ -262,7 +271,7 @@ def test_launched_processes_form_one_job(tmp_path):
            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     common = ["pretrain", "--config", str(tmp_path / "config.json"), "--max-steps", "3", "--seq-len", "32",
-              "--vocab-size", "400", "--dupe-factor", "1", "--heldout-documents", "4"]
+              "--vocab-size", "400", "--dupe-factor", "1", "--heldout-documents", "2", "--validation-documents", "0"]
     assert main([*common, "--output", str(tmp_path / "one")]) == 0
     launched = subprocess.run(
         [sys.executable, "-m", "jonebit", "launch", "--nproc", "2", "--devices-per-proc", "4", "--timeout", "600",
