@@ -11,7 +11,6 @@ import pytest
 from jonebit.cli import main
 from jonebit.data.tokenization import load_wordpiece
 
-
 # The embedded default at tiny sizes. Fewer evaluation documents than the default's 11 + 5 (checked on their own
 # below): at these sizes scoring the full splits at every evaluation point costs more than the training does.
 HELDOUT, VALIDATION = 3, 2
