@@ -8,12 +8,12 @@ the result. The recording holds the parameters after every step and the optimize
 Replaying a case must give the recording exactly: code that only moves the optimizer's pieces around (one step
 pipeline, research options set apart, the state's phases by name) must not change one bit of what it computes.
 
-Both run with XLA's CPU code generation capped at SSE4.2 (``XLA_FLAGS``, see :data:`XLA_FLAGS`). With the host's
-AVX2/FMA, LLVM contracts ``a * b + c`` into a fused multiply-add where the loop's shape allows it (a vectorised
-body, not the remainder elements), so two programs that state the same arithmetic but fuse differently can round
-one element differently (measured: 1 ulp in one of 1,980 values, in one case). Without FMA every elementwise
-operation is IEEE-rounded as written, and a 128-bit vector width is the same on every x86 machine, so the
-comparison is exact by construction. Record only from code whose behaviour is the reference::
+Both run at XLA's default optimisation level, with its CPU code generation capped at SSE4.2 (``XLA_FLAGS``, see
+:data:`XLA_FLAGS`). With the host's AVX2/FMA, LLVM contracts ``a * b + c`` into a fused multiply-add where the loop's
+shape allows it (a vectorised body, not the remainder elements), so two programs that state the same arithmetic but
+fuse differently can round one element differently (measured: 1 ulp in one of 1,980 values, in one case). Without FMA
+every elementwise operation is IEEE-rounded as written, and a 128-bit vector width is the same on every x86 machine,
+so the comparison is exact by construction. Record only from code whose behaviour is the reference::
 
     python -m tests.transforms.golden_trajectories record   # rewrites tests/transforms/golden_trajectories.npz
     python -m tests.transforms.golden_trajectories check    # replays, prints the mismatches as JSON
@@ -29,6 +29,7 @@ XLA_FLAGS = "--xla_force_host_platform_device_count=8 --xla_cpu_max_isa=SSE4_2"
 if __name__ == "__main__":  # the recording and the replay run as their own process, with these flags
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["XLA_FLAGS"] = XLA_FLAGS
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "0"  # XLA's default level, whatever the caller's (the suite's: -O0)
 
 import json  # noqa: E402
 

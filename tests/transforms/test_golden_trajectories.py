@@ -24,8 +24,7 @@ from tests.transforms.golden_trajectories import CASES, FREEZE, NAN_STEP, STEPS,
 def test_replay_is_bit_identical(form):
     """Both forms of every optimizer: the transformation's one program with every phase (a user's own jit), and a
     program per phase picked on the host (jonebit's step builders) replay the recording bit for bit."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": XLA_FLAGS,
-           "JAX_DISABLE_MOST_OPTIMIZATIONS": "0"}  # the recording's level (tests/conftest.py lowers it)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": XLA_FLAGS}
     argv = ["check"] if form == "one_program" else ["check", "per_phase"]
     out = subprocess.run([sys.executable, "-m", "tests.transforms.golden_trajectories", *argv], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=900)
