@@ -16,7 +16,9 @@ The protocol (benchmarks/BENCHMARKS.md, "The evidence protocol"):
 
 Each run checkpoints every ``--checkpoint-every`` steps and writes its summary when it ends; rerunning the same
 command skips finished runs and resumes an interrupted one from its last checkpoint, so the study can be run in
-sittings::
+sittings. The result file is also the study's ledger: every finished run is recorded there (with the commit and
+date it ran on), and a run recorded there is not run again, so a sitting on a fresh machine (an empty
+``--workdir``) continues from the committed result file::
 
     python benchmarks/squad_protocol.py select               # ~30 min per candidate on 2 CPU cores
     python benchmarks/squad_protocol.py report --seeds 0 1 2  # ~40 min per run (train + 10,570 dev questions)
@@ -34,6 +36,7 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks.report import result_path, run_meta, spread  # noqa: E402
 from benchmarks.squad_finetune import _minilm, summarize  # noqa: E402  (sets 8 CPU devices)
 
 SETUP = {"steps": 400, "batch_size": 32, "learning_rate": 1e-4, "max_seq_length": 128, "doc_stride": 128,
@@ -103,6 +106,10 @@ def run_arm(args, work: pathlib.Path, name: str, cfg: dict, predict_file: str, t
     if done.is_file():
         print(f"== {name}: finished earlier ({done})", flush=True)
         return json.loads(done.read_text())
+    recorded = _ledger_run(seed, name, work)
+    if recorded is not None:
+        print(f"== {name}: recorded in the result file (commit {str(recorded.get('commit'))[:10]})", flush=True)
+        return recorded
     from jonebit.apps.squad import run
 
     out.mkdir(parents=True, exist_ok=True)
@@ -115,46 +122,74 @@ def run_arm(args, work: pathlib.Path, name: str, cfg: dict, predict_file: str, t
                  max_steps=SETUP["steps"], data_parallel=SETUP["data_parallel"], seed=seed,
                  checkpoint_every=args.checkpoint_every, progress=False)
     row = summarize(name, result)
-    row.update(seed=seed, wall_seconds=time.perf_counter() - t0, config=cfg)
+    meta = run_meta()
+    row.update(seed=seed, wall_seconds=time.perf_counter() - t0, config=cfg, commit=meta["commit"],
+               dirty=meta["dirty"], date=meta["date"])
     done.write_text(json.dumps(row, indent=2) + "\n")
     print(f"== {name}: EM {row['exact_match']:.2f} F1 {row['f1']:.2f} on {row['eval_questions']} questions",
           flush=True)
     return row
 
 
-def write_result(args, work: pathlib.Path, split: dict) -> pathlib.Path:
-    """Collects every finished run under ``work`` into the result file."""
-    from benchmarks.report import result_path, run_meta, spread
+_RUN_KEYS = ("exact_match", "f1", "mb_sent_per_rank", "train_seconds", "eval_questions", "final_loss", "commit",
+             "dirty", "date")
 
-    selection = {}
+
+def _ledger() -> dict:
+    """The committed result file (empty when there is none yet)."""
+    path = result_path("squad_protocol")
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _ledger_run(seed: int, arm: str, work: pathlib.Path) -> dict | None:
+    """The report run (seed, arm) as the result file records it, if it does; select runs are not looked up."""
+    if work.parent.name != "report":
+        return None
+    for r in _ledger().get("runs", []):
+        if r["seed"] == seed and r["arm"] == arm:
+            return r
+    return None
+
+
+def write_result(args, work: pathlib.Path, split: dict) -> pathlib.Path:
+    """Collects every finished run (under ``work`` and in the result file) into the result file."""
+    old = _ledger()
+    split_info = {k: v for k, v in split.items() if not k.endswith("_file")}
+    if old.get("split") not in (None, split_info):
+        raise SystemExit(f"the split of this sitting ({split_info}) is not the one the result file records "
+                         f"({old['split']}): same --train-file, --train-questions and --validation-questions needed")
+    selection = dict(old.get("selection", {}))
     for name in CANDIDATES:
         f = work / "select" / name / "summary.json"
         if f.is_file():
             r = json.loads(f.read_text())
             selection[name] = {"options": CANDIDATES[name], "exact_match": r["exact_match"], "f1": r["f1"],
                                "questions": r["eval_questions"]}
-    winner = max(selection, key=lambda k: selection[k]["f1"]) if len(selection) == len(CANDIDATES) else None
-    arms: dict = {a: {"seeds": [], "exact_match": [], "f1": [], "mb_sent_per_rank": [], "train_seconds": []}
-                  for a in REPORT_ARMS}
-    dev_questions = set()
+    winner = max(selection, key=lambda k: selection[k]["f1"]) if set(selection) >= set(CANDIDATES) else None
+    runs = {(r["seed"], r["arm"]): r for r in old.get("runs", [])}
     for seed_dir in sorted(work.glob("report/seed*")):
         for arm in REPORT_ARMS:
             f = seed_dir / arm / "summary.json"
             if f.is_file():
                 r = json.loads(f.read_text())
-                dev_questions.add(r["eval_questions"])
-                for k in ("exact_match", "f1", "mb_sent_per_rank", "train_seconds"):
-                    arms[arm][k].append(r[k])
-                arms[arm]["seeds"].append(r["seed"])
+                runs[(r["seed"], arm)] = {"seed": r["seed"], "arm": arm, **{k: r.get(k) for k in _RUN_KEYS}}
+    runs = [runs[k] for k in sorted(runs)]
+    arms: dict = {a: {"seeds": [], "exact_match": [], "f1": [], "mb_sent_per_rank": [], "train_seconds": []}
+                  for a in REPORT_ARMS}
+    for r in runs:
+        a = arms[r["arm"]]
+        a["seeds"].append(r["seed"])
+        for k in ("exact_match", "f1", "mb_sent_per_rank", "train_seconds"):
+            a[k].append(r[k])
     for a in arms.values():
         if a["f1"]:
             a["f1_spread"], a["exact_match_spread"] = spread(a["f1"]), spread(a["exact_match"])
+    dev_questions = sorted({r["eval_questions"] for r in runs})
     complete = winner is not None and all(sorted(a["seeds"]) == sorted(args.all_seeds) for a in arms.values())
     payload = {"meta": run_meta(), "protocol": "benchmarks/BENCHMARKS.md#the-evidence-protocol", "setup": SETUP,
-               "split": {k: v for k, v in split.items() if not k.endswith("_file")},
-               "dev_questions": dev_questions.pop() if len(dev_questions) == 1 else sorted(dev_questions),
+               "split": split_info, "dev_questions": dev_questions[0] if len(dev_questions) == 1 else dev_questions,
                "seeds": sorted(args.all_seeds), "selection": selection, "selected": winner,
-               "arms": arms, "complete": complete}
+               "arms": arms, "runs": runs, "complete": complete}
     path = result_path("squad_protocol")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
