@@ -373,24 +373,25 @@ def decode_groups(groups, sizes, rows=None) -> list[jax.Array]:
     for idx, grouped, _, _ in groups:
         n = int(sizes[idx[0]])
         row = None if rows is None else rows[idx[0]]
+        # Decoded rank-major, (P, k, ...): the layout the all-gather delivers (the (k, P, w) view is its
+        # transpose, which cancels here), so buffer j is the strided slice [:, j] and no leaf's decode
+        # carries a transpose of its whole group.
+        by_rank = jnp.swapaxes(grouped, 0, 1)
         if row is not None:
-            p = grouped.shape[1]
-            count = row_padded_size(n, p, row) // row // p
-            bits, scales = _split_row_scales(grouped, count)  # (k, P, C/8), (k, P, C/row)
+            count = row_padded_size(n, by_rank.shape[0], row) // row // by_rank.shape[0]
+            bits, scales = _split_row_scales(by_rank, count)  # (P, k, C/8), (P, k, C/row)
             dec = unpack_rows(bits).reshape(*scales.shape, row) * scales[..., None]
-            dec = dec.reshape(len(idx), -1)[:, :n]
             for j, i in enumerate(idx):
-                out[i] = dec[j]
+                out[i] = dec[:, j].reshape(-1)[:n]
             continue
         if len(idx) == 1:
             out[idx[0]] = decode_segments(grouped[0], [n])[0]
             continue
-        bits, scales = _split_scale(grouped)  # (k, P, C/8), (k, P)
+        bits, scales = _split_scale(by_rank)  # (P, k, C/8), (P, k)
         pos, neg = _signed(scales)
         dec = jnp.where((bits[..., None] & _BIT_WEIGHTS) != 0, pos[..., None, None], neg[..., None, None])
-        dec = dec.reshape(len(idx), -1)[:, :n]
         for j, i in enumerate(idx):
-            out[i] = dec[j]
+            out[i] = dec[:, j].reshape(-1)[:n]
     return out
 
 
