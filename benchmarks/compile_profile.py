@@ -27,7 +27,6 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-_UNIT = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 
 def _child(kind: str, size: int, form: str) -> None:
@@ -85,9 +84,10 @@ def measure(kind: str, size: int, form: str) -> dict:
         raise RuntimeError(f"{kind} {size} {form} failed:\n{(out.stdout + out.stderr)[-3000:]}")
     log = out.stderr.split("compiling the measured program", 1)[-1]
     passes: dict[str, float] = {}
-    for name, value, unit in re.findall(r"HLO pass: (\S+) time: ([0-9.]+) (us|ms|s) ", log):
-        passes[name] = passes.get(name, 0.0) + float(value) * _UNIT[unit]
-    codegen = [float(v) * _UNIT[u] for v, u in re.findall(r"for CPU using JIT time: ([0-9.]+) (us|ms|s)", log)]
+    # Each timing line gives the time rounded in a unit that varies (us ... min) and exactly, in microseconds.
+    for name, micros in re.findall(r"HLO pass: (\S+) time: [^(]*\((\d+) us\)", log):
+        passes[name] = passes.get(name, 0.0) + int(micros) * 1e-6
+    codegen = [int(v) * 1e-6 for v in re.findall(r"for CPU using JIT time: [^(]*\((\d+) us\)", log)]
     top = dict(sorted(passes.items(), key=lambda kv: -kv[1])[:5])
     return {"kind": kind, "size": size, "form": form, "compile_s": float(m.group(1)),
             "passes_s": sum(passes.values()), "top_passes_s": top, "codegen_s": max(codegen, default=0.0)}

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import resource
 import subprocess
 import sys
@@ -27,6 +28,7 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 FORMS = ("perleaf", "fused", "adamw")
+_MARK = "compiling the measured program"
 
 
 def _child(leaves: int, form: str) -> None:
@@ -59,6 +61,7 @@ def _child(leaves: int, form: str) -> None:
     t0 = time.perf_counter()
     lowered = update.lower(params, state, grads, phases=phases) if phases else update.lower(params, state, grads)
     t1 = time.perf_counter()
+    print(_MARK, file=sys.stderr, flush=True)  # XLA's log after this line is the measured program's
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
     compiled = lowered.compile()
     t2 = time.perf_counter()
@@ -70,8 +73,22 @@ def _child(leaves: int, form: str) -> None:
                       "hlo_ops": ops, "arguments": len(jax.tree.leaves((params, state, grads)))}))
 
 
+def _where_the_time_goes(log: str) -> dict:
+    """From XLA's compiler log: seconds in HLO passes (and in Shardy and the SPMD partitioner among them), seconds
+    generating machine code, and the number of kernels LLVM compiled (XLA:CPU compiles a fusion once and reuses
+    it for every fusion with the same computation; two fusions that differ in a constant are two kernels)."""
+    passes: dict[str, float] = {}
+    # Each timing line gives the time rounded in a unit that varies (us ... min) and exactly, in microseconds.
+    for name, micros in re.findall(r"HLO pass: (\S+) time: [^(]*\((\d+) us\)", log):
+        passes[name] = passes.get(name, 0.0) + int(micros) * 1e-6
+    codegen = [int(v) * 1e-6 for v in re.findall(r"for CPU using JIT time: [^(]*\((\d+) us\)", log)]
+    return {"passes_s": sum(passes.values()), "shardy_s": passes.get("shardy-xla", 0.0),
+            "spmd_s": passes.get("spmd-partitioning", 0.0), "codegen_s": max(codegen, default=0.0),
+            "kernels": log.count("Running LLVM verifier")}
+
+
 def measure(leaves: int, form: str, src: str | None, timeout: float) -> dict:
-    env = dict(os.environ)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="hlo_pass_pipeline=1,cpu_compiler=1")
     if src:
         env["JONEBIT_SRC"] = src
     out = subprocess.run([sys.executable, __file__, "--child", str(leaves), form], env=env, capture_output=True,
@@ -79,7 +96,7 @@ def measure(leaves: int, form: str, src: str | None, timeout: float) -> dict:
     lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
     if out.returncode or not lines:
         raise RuntimeError(f"{leaves} leaves, {form}: exit {out.returncode}\n{(out.stdout + out.stderr)[-3000:]}")
-    return json.loads(lines[-1])
+    return {**json.loads(lines[-1]), **_where_the_time_goes(out.stderr.split(_MARK, 1)[-1])}
 
 
 def main() -> int:
@@ -114,7 +131,9 @@ def main() -> int:
                                                                         "complete": False})
     columns = [("leaves", "leaves"), ("form", "form"), ("arguments", "program arguments"),
                ("lower_s", "lower s"), ("compile_s", "compile s"), ("vs_fused", "x fused"),
-               ("peak_rss_gib", "peak RSS GiB"), ("rss_before_gib", "RSS before compile GiB"), ("hlo_ops", "HLO ops")]
+               ("peak_rss_gib", "peak RSS GiB"), ("rss_before_gib", "RSS before compile GiB"), ("hlo_ops", "HLO ops"),
+               ("passes_s", "HLO passes s"), ("shardy_s", "Shardy s"), ("spmd_s", "SPMD s"),
+               ("codegen_s", "LLVM s"), ("kernels", "kernels")]
     print(table(rows, columns))
     path = write_json("compile_scaling", tag=args.tag, payload={"source": src, "rows": rows, "complete": True})
     print(f"wrote {path}")
