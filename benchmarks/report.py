@@ -41,12 +41,13 @@ def spread(values) -> dict:
 def run_meta(argv: list[str] | None = None) -> dict:
     """What a result file records about the run that wrote it: the command line (``python`` + the script path
     relative to the repository + its arguments), the git commit (None outside a checkout; ``dirty`` when tracked
-    files had uncommitted changes) and the date (UTC, ISO 8601)."""
+    files other than ``benchmarks/results`` had uncommitted changes) and the date (UTC, ISO 8601)."""
     argv = list(sys.argv if argv is None else argv)
     if argv:
         script = pathlib.Path(argv[0]).resolve()
         argv[0] = str(script.relative_to(ROOT)) if script.is_relative_to(ROOT) else argv[0]
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    # Result files are outputs, not code: a sitting that rewrote one (a ledger) ran clean code all the same.
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
     return {"command": shlex.join(["python", *argv]), "commit": _git("rev-parse", "HEAD"),
             "dirty": bool(status) if status is not None else None,
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
