@@ -9,6 +9,11 @@ gradient buffers held) and compiled. ``optax.adamw`` with an fp32 mean allreduce
 
     python benchmarks/compile_scaling.py [--leaves 200 2000] [--forms perleaf fused adamw]
     python benchmarks/compile_scaling.py --src /path/to/older/checkout --tag before   # the same cases, older code
+    python benchmarks/compile_scaling.py --leaves 2000 --forms perleaf_gspmd slices_distinct slices_same --tag probes
+
+The probes: ``perleaf_gspmd`` is the per-leaf program compiled with JAX's older GSPMD partitioner instead of Shardy
+(a global JAX setting; jonebit does not change it); ``slices_distinct`` / ``slices_same`` what LLVM's code
+generation costs per kernel (``_probe``).
 
 Writes ``results/compile_scaling/<tag or compile_scaling>.json``; prints a table.
 """
@@ -27,7 +32,9 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
-FORMS = ("perleaf", "fused", "adamw")
+FORMS = ("perleaf", "fused", "adamw", "perleaf_gspmd")
+# Probes of the compiler, not of an optimizer (results/compile_scaling/probes.json).
+PROBES = ("slices_distinct", "slices_same")
 _MARK = "compiling the measured program"
 
 
@@ -47,19 +54,25 @@ def _child(leaves: int, form: str) -> None:
     import jonebit
     from jonebit.train.data_parallel import data_mesh, make_update
 
-    mesh = data_mesh(8)
-    shapes = bert_like(leaves, 128)
-    params = abstract(shapes, mesh)
-    grads = abstract(shapes, mesh, spec=P("data"), lead=8)
-    if form == "adamw":
-        tx, reduce, phases = optax.adamw(1e-4), "mean", None
+    if form in PROBES:
+        lowered, arguments, t0 = _probe(leaves, form), leaves, time.perf_counter()
     else:
-        tx = jonebit.onebit_adam(1e-4, freeze_step=1, fused=form == "fused")
-        reduce, phases = None, ((jonebit.OneBitAdamState, "compression"),)
-    state, specs = abstract_state(tx, params, mesh)
-    update = make_update(tx, mesh, specs, grad_reduce=reduce)
-    t0 = time.perf_counter()
-    lowered = update.lower(params, state, grads, phases=phases) if phases else update.lower(params, state, grads)
+        if form == "perleaf_gspmd":
+            jax.config.update("jax_use_shardy_partitioner", False)
+        mesh = data_mesh(8)
+        shapes = bert_like(leaves, 128)
+        params = abstract(shapes, mesh)
+        grads = abstract(shapes, mesh, spec=P("data"), lead=8)
+        if form == "adamw":
+            tx, reduce, phases = optax.adamw(1e-4), "mean", None
+        else:
+            tx = jonebit.onebit_adam(1e-4, freeze_step=1, fused=form == "fused")
+            reduce, phases = None, ((jonebit.OneBitAdamState, "compression"),)
+        state, specs = abstract_state(tx, params, mesh)
+        update = make_update(tx, mesh, specs, grad_reduce=reduce)
+        t0 = time.perf_counter()
+        lowered = update.lower(params, state, grads, phases=phases) if phases else update.lower(params, state, grads)
+        arguments = len(jax.tree.leaves((params, state, grads)))
     t1 = time.perf_counter()
     print(_MARK, file=sys.stderr, flush=True)  # XLA's log after this line is the measured program's
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
@@ -70,7 +83,26 @@ def _child(leaves: int, form: str) -> None:
     print(json.dumps({"leaves": leaves, "form": form, "lower_s": t1 - t0, "compile_s": t2 - t1,
                       "rss_before_gib": rss_before,
                       "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-                      "hlo_ops": ops, "arguments": len(jax.tree.leaves((params, state, grads)))}))
+                      "hlo_ops": ops, "arguments": arguments}))
+
+
+def _probe(n: int, form: str):
+    """What a kernel costs to generate: ``n`` outputs, each ``where(y_j > 0, x_j, 0)`` of 4,096 floats, with ``x_j``
+    row ``j`` of one ``(n, 4096)`` array (``slices_distinct``: the row offset is a constant of each kernel, so ``n``
+    kernels) or its own array (``slices_same``: one kernel, reused ``n`` times); lowered, to be compiled."""
+    import jax
+    import jax.numpy as jnp
+
+    def distinct(x, ys):
+        return [jnp.where(ys[j] > 0, x[j], 0.0) for j in range(n)]
+
+    def same(xs, ys):
+        return [jnp.where(ys[j] > 0, xs[j], 0.0) for j in range(n)]
+
+    row = jax.ShapeDtypeStruct((4096,), jnp.float32)
+    if form == "slices_distinct":
+        return jax.jit(distinct).lower(jax.ShapeDtypeStruct((n, 4096), jnp.float32), [row] * n)
+    return jax.jit(same).lower([row] * n, [row] * n)
 
 
 def _where_the_time_goes(log: str) -> dict:
@@ -105,7 +137,8 @@ def main() -> int:
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--leaves", type=int, nargs="+", default=[200, 2000])
-    ap.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS))
+    ap.add_argument("--forms", nargs="+", choices=FORMS + PROBES, default=list(FORMS[:3]),
+                    help="perleaf_gspmd: perleaf compiled with JAX's older GSPMD partitioner instead of Shardy")
     ap.add_argument("--src", help="a jonebit checkout to measure instead of this one (its jonebit package is used)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per case before it is abandoned")
     ap.add_argument("--tag", default="")
