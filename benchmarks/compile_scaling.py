@@ -55,7 +55,8 @@ def _child(leaves: int, form: str) -> None:
     from jonebit.train.data_parallel import data_mesh, make_update
 
     if form in PROBES:
-        lowered, arguments, t0 = _probe(leaves, form), leaves, time.perf_counter()
+        t0 = time.perf_counter()
+        lowered, arguments = _probe(leaves, form), leaves
     else:
         if form == "perleaf_gspmd":
             jax.config.update("jax_use_shardy_partitioner", False)

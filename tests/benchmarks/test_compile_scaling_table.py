@@ -49,3 +49,17 @@ def test_the_result_files_hold_the_conclusion():
     assert new["perleaf"]["passes_s"] <= 1.15 * adamw["passes_s"]
     assert new["perleaf"]["kernels"] >= 2000 > 100 >= adamw["kernels"]
     assert new["perleaf"]["codegen_s"] - adamw["codegen_s"] >= 0.5 * (new["perleaf"]["compile_s"] - adamw["compile_s"])
+
+
+def test_the_probes_quoted_are_the_probe_file():
+    probes = {r["form"]: r for r in json.loads((RESULTS / "probes.json").read_text())["rows"]}
+    text = " ".join((ROOT / "benchmarks" / "BENCHMARKS.md").read_text().split())
+    distinct, same, gspmd = probes["slices_distinct"], probes["slices_same"], probes["perleaf_gspmd"]
+    for quoted in (f"compile in {distinct['compile_s']:.1f} s ({distinct['codegen_s']:.1f} s of LLVM, peak "
+                   f"{distinct['peak_rss_gib']:.2f} GiB)",
+                   f"in {same['compile_s']:.1f} s ({same['peak_rss_gib']:.2f} GiB)",
+                   f"{gspmd['compile_s']:.1f} s, {gspmd['passes_s']:.1f} s of it in HLO passes"):
+        assert quoted in text, quoted
+    # The probe isolates what it claims: the same selects, one kernel each or one in all.
+    assert distinct["kernels"] >= 2000 > 10 >= same["kernels"]
+    assert distinct["codegen_s"] > 10 * same["codegen_s"]
