@@ -63,3 +63,10 @@ def test_the_probes_quoted_are_the_probe_file():
     # The probe isolates what it claims: the same selects, one kernel each or one in all.
     assert distinct["kernels"] >= 2000 > 10 >= same["kernels"]
     assert distinct["codegen_s"] > 10 * same["codegen_s"]
+
+
+def test_the_user_docs_quote_the_result_file():
+    new = {r["form"]: r for r in json.loads((RESULTS / "compile_scaling.json").read_text())["rows"]
+           if r["leaves"] == 2000}
+    text = " ".join((ROOT / "docs" / "onebit-adam.md").read_text().split())
+    assert f"{new['perleaf']['compile_s']:.0f} s against {new['adamw']['compile_s']:.0f} s" in text
