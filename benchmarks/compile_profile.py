@@ -27,6 +27,8 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from report import xla_compile_times  # noqa: E402
 
 
 def _child(kind: str, size: int, form: str) -> None:
@@ -83,14 +85,10 @@ def measure(kind: str, size: int, form: str) -> dict:
     if out.returncode or m is None:
         raise RuntimeError(f"{kind} {size} {form} failed:\n{(out.stdout + out.stderr)[-3000:]}")
     log = out.stderr.split("compiling the measured program", 1)[-1]
-    passes: dict[str, float] = {}
-    # Each timing line gives the time rounded in a unit that varies (us ... min) and exactly, in microseconds.
-    for name, micros in re.findall(r"HLO pass: (\S+) time: [^(]*\((\d+) us\)", log):
-        passes[name] = passes.get(name, 0.0) + int(micros) * 1e-6
-    codegen = [int(v) * 1e-6 for v in re.findall(r"for CPU using JIT time: [^(]*\((\d+) us\)", log)]
+    passes, codegen, _ = xla_compile_times(log)
     top = dict(sorted(passes.items(), key=lambda kv: -kv[1])[:5])
     return {"kind": kind, "size": size, "form": form, "compile_s": float(m.group(1)),
-            "passes_s": sum(passes.values()), "top_passes_s": top, "codegen_s": max(codegen, default=0.0)}
+            "passes_s": sum(passes.values()), "top_passes_s": top, "codegen_s": codegen}
 
 
 def main() -> int:

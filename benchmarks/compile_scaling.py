@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import pathlib
-import re
 import resource
 import subprocess
 import sys
@@ -32,6 +31,9 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from report import xla_compile_times  # noqa: E402
+
 FORMS = ("perleaf", "fused", "adamw", "perleaf_gspmd")
 # Probes of the compiler, not of an optimizer (results/compile_scaling/probes.json).
 PROBES = ("slices_distinct", "slices_same")
@@ -107,17 +109,10 @@ def _probe(n: int, form: str):
 
 
 def _where_the_time_goes(log: str) -> dict:
-    """From XLA's compiler log: seconds in HLO passes (and in Shardy and the SPMD partitioner among them), seconds
-    generating machine code, and the number of kernels LLVM compiled (XLA:CPU compiles a fusion once and reuses
-    it for every fusion with the same computation; two fusions that differ in a constant are two kernels)."""
-    passes: dict[str, float] = {}
-    # Each timing line gives the time rounded in a unit that varies (us ... min) and exactly, in microseconds.
-    for name, micros in re.findall(r"HLO pass: (\S+) time: [^(]*\((\d+) us\)", log):
-        passes[name] = passes.get(name, 0.0) + int(micros) * 1e-6
-    codegen = [int(v) * 1e-6 for v in re.findall(r"for CPU using JIT time: [^(]*\((\d+) us\)", log)]
+    """The row's share of XLA's log: HLO passes (Shardy and the SPMD partitioner among them), LLVM, kernels."""
+    passes, codegen, kernels = xla_compile_times(log)
     return {"passes_s": sum(passes.values()), "shardy_s": passes.get("shardy-xla", 0.0),
-            "spmd_s": passes.get("spmd-partitioning", 0.0), "codegen_s": max(codegen, default=0.0),
-            "kernels": log.count("Running LLVM verifier")}
+            "spmd_s": passes.get("spmd-partitioning", 0.0), "codegen_s": codegen, "kernels": kernels}
 
 
 def measure(leaves: int, form: str, src: str | None, timeout: float) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import pathlib
+import re
 import shlex
 import statistics
 import subprocess
@@ -66,3 +67,16 @@ def table(rows: list[dict], columns: list[tuple[str, str]], *, decimals: int = 2
     lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(r.get(k)) for k, _ in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def xla_compile_times(log: str) -> tuple[dict[str, float], float, int]:
+    """From an XLA:CPU compiler log (``TF_CPP_VMODULE=hlo_pass_pipeline=1,cpu_compiler=1``): seconds per HLO pass
+    (summed over its runs), seconds of LLVM code generation, and the number of kernels LLVM compiled (XLA:CPU
+    compiles a fusion once and reuses it for every fusion with the same computation; two fusions that differ in a
+    constant are two kernels)."""
+    passes: dict[str, float] = {}
+    # Each timing line gives the time rounded in a unit that varies (us ... min) and exactly, in microseconds.
+    for name, micros in re.findall(r"HLO pass: (\S+) time: [^(]*\((\d+) us\)", log):
+        passes[name] = passes.get(name, 0.0) + int(micros) * 1e-6
+    codegen = [int(v) * 1e-6 for v in re.findall(r"for CPU using JIT time: [^(]*\((\d+) us\)", log)]
+    return passes, max(codegen, default=0.0), log.count("Running LLVM verifier")

@@ -106,10 +106,6 @@ def run_arm(args, work: pathlib.Path, name: str, cfg: dict, predict_file: str, t
     if done.is_file():
         print(f"== {name}: finished earlier ({done})", flush=True)
         return json.loads(done.read_text())
-    recorded = _ledger_run(seed, name, work)
-    if recorded is not None:
-        print(f"== {name}: recorded in the result file (commit {str(recorded.get('commit'))[:10]})", flush=True)
-        return recorded
     from jonebit.apps.squad import run
 
     out.mkdir(parents=True, exist_ok=True)
@@ -139,16 +135,6 @@ def _ledger() -> dict:
     """The committed result file (empty when there is none yet)."""
     path = result_path("squad_protocol")
     return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _ledger_run(seed: int, arm: str, work: pathlib.Path) -> dict | None:
-    """The report run (seed, arm) as the result file records it, if it does; select runs are not looked up."""
-    if work.parent.name != "report":
-        return None
-    for r in _ledger().get("runs", []):
-        if r["seed"] == seed and r["arm"] == arm:
-            return r
-    return None
 
 
 def write_result(args, work: pathlib.Path, split: dict) -> pathlib.Path:
@@ -228,8 +214,13 @@ def main() -> None:
         if chosen is None:
             raise SystemExit("run `select` first: the report's onebit_adam is the candidate that wins on validation")
         print(f"onebit_adam: the {chosen!r} options (highest validation F1)", flush=True)
+        recorded = {(r["seed"], r["arm"]): r for r in _ledger().get("runs", [])}
         for seed in args.seeds:
             for arm in REPORT_ARMS:
+                if (seed, arm) in recorded:
+                    print(f"== seed {seed} {arm}: recorded in the result file (commit "
+                          f"{str(recorded[seed, arm].get('commit'))[:10]})", flush=True)
+                    continue
                 options = CANDIDATES[chosen] if arm == "onebit_adam" else DEEPSPEED if arm != "adam" else None
                 run_arm(args, work / "report" / f"seed{seed}", arm, arm_config(arm, options, SETUP["steps"]),
                         args.predict_file, split["train_file"], seed=seed)
