@@ -4,12 +4,16 @@ Sections (each runs on its own: a failing one records ``{"error": ...}`` and the
 
 1. ``packing``: ``jonebit.comm.pack_signs`` / ``unpack_signs`` throughput on a large float32 vector, against the
    device's HBM peak and against a plain on-device copy (the achievable bandwidth).
-2. ``optimizer_step``: 1-bit Adam in its compression stage (per-leaf and fused) vs ``optax.adamw`` + fp32 mean
-   allreduce on the BERT-base parameter tree, world size 1 (one-device mesh), timed alternately.
-3. ``bert_step``: BertForPreTraining (BERT-base, bf16 compute) forward + backward + optimizer, tokens/s and MFU:
+2. ``kernels``: compression's pack-and-error pass, XLA's program (jonebit's) against a Pallas kernel
+   (``pallas_pack.py``, the measured alternative): bitwise equality on several sizes, and time, alone and with
+   the buffer's norm before it.
+3. ``optimizer_step``: 1-bit Adam in its compression stage (per-leaf and fused, each with XLA's pass and the Pallas
+   kernel) vs ``optax.adamw`` + fp32 mean allreduce on the BERT-base parameter tree, world size 1 (one-device
+   mesh), timed alternately.
+4. ``bert_step``: BertForPreTraining (BERT-base, bf16 compute) forward + backward + optimizer, tokens/s and MFU:
    optax.adamw and 1-bit Adam through ``data_parallel.make_step``, 1-bit Adam through the engine's step (on the
    bf16-dtype model, and on a float32-dtype model as ``jonebit pretrain`` builds it).
-4. ``environment``: versions, device, command line, seconds per section.
+5. ``environment``: versions, device, command line, seconds per section.
 
 Timed arms alternate step by step and medians are reported, so drift in clocks or load falls on all arms alike.
 
@@ -65,7 +69,7 @@ FLOPS_FORMULA = (
 )
 
 
-SECTIONS = ("packing", "optimizer_step", "bert_step")
+SECTIONS = ("packing", "kernels", "optimizer_step", "bert_step")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -90,12 +94,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+import pallas_pack as kernels  # noqa: E402
 import report as report_md  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jonebit  # noqa: E402
 from jonebit.apps.pretrain import make_loss  # noqa: E402
-from jonebit.comm import pack_signs, unpack_signs  # noqa: E402
+from jonebit.comm import compressed, pack_signs, unpack_signs  # noqa: E402
 from jonebit.models.bert import BertConfig, BertForPreTraining  # noqa: E402
 from jonebit.train.data_parallel import (  # noqa: E402
     data_mesh,
@@ -217,7 +222,95 @@ def bench_packing(size: dict, repeats: int, clock: Clock) -> dict:
                 rows=rows, times_s=times)
 
 
-# ------------------------------------------------------------------------------------------------ 2. optimizer
+# ------------------------------------------------------------------------------------------------ 2. kernels
+def with_gpu_impl(impl: str, fn):
+    """``fn`` run with compression's pack-and-error pass replaced by ``impl``'s (:mod:`pallas_pack`): a step traced
+    inside (its first call) keeps it; ``"pallas"`` on a GPU, the interpreter elsewhere."""
+    impl = impl if jax.default_backend() == "gpu" else "pallas_interpret"
+
+    def run():
+        old, compressed._compress = compressed._compress, kernels.compress_with(impl)
+        try:
+            return fn()
+        finally:
+            compressed._compress = old
+
+    return run
+
+
+def entry_fusions(compiled_text: str) -> int:
+    """Kernels XLA launches for a program: fusions and custom calls in its ENTRY computation."""
+    entry = compiled_text[compiled_text.index("ENTRY"):]
+    body = entry[:entry.index("\n}")]
+    return sum(1 for line in body.splitlines() if " fusion(" in line or "custom-call(" in line)
+
+
+def bench_kernels(size: dict, repeats: int, clock: Clock) -> dict:
+    """The compression pass after the scale: XLA's program against the Pallas kernel, bits and speed."""
+    gpu = jax.default_backend() == "gpu"
+    pallas = "pallas" if gpu else "pallas_interpret"
+    n = size["pack_elements"]
+    checks = {}
+    for m in (8, 24_016, 2**20 + 8, n):  # a partial last block, a 2^k + 8 tail, the timed size
+        x = jax.random.normal(jax.random.key(m), (m,), jnp.float32).at[:2].set(jnp.array([0.0, -0.0]))
+        s = jnp.linalg.norm(x) / np.float32(math.sqrt(m))
+        a = jax.jit(lambda x, s: kernels.pack_with_error(x, s, impl="xla"))(x, s)
+        b = jax.jit(lambda x, s, i=pallas: kernels.pack_with_error(x, s, impl=i))(x, s)
+        checks[str(m)] = bool(jnp.array_equal(a[0], b[0])) and bool(
+            jnp.array_equal(lax_bits(a[1]), lax_bits(b[1])))
+    xs = jax.random.normal(jax.random.key(7), (3, 24_016), jnp.float32)
+    ss = jnp.array([0.5, 1.0, 2.0], jnp.float32)
+    va = jax.vmap(lambda x, s: kernels.pack_with_error(x, s, impl="xla"))(xs, ss)
+    vb = jax.vmap(lambda x, s: kernels.pack_with_error(x, s, impl=pallas))(xs, ss)
+    checks["vmap_3x24016"] = bool(jnp.array_equal(va[0], vb[0])) and bool(
+        jnp.array_equal(lax_bits(va[1]), lax_bits(vb[1])))
+
+    x = jax.block_until_ready(jax.random.normal(jax.random.key(0), (n,), jnp.float32))
+    e = jax.block_until_ready(jax.random.normal(jax.random.key(1), (n,), jnp.float32) * 0.01)
+    s = jnp.float32(0.8)
+    fns = {
+        "pass_xla": jax.jit(lambda x, s: kernels.pack_with_error(x, s, impl="xla")),
+        "pass_pallas": jax.jit(lambda x, s: kernels.pack_with_error(x, s, impl=pallas)),
+    }
+
+    def compress(impl):  # the whole worker compression of one buffer: x + e, its norm, signs and new error
+        def f(x, e):
+            buf = x + e
+            scale = jnp.linalg.norm(buf) / np.float32(math.sqrt(n))
+            packed, err = kernels.pack_with_error(buf, scale, impl=impl)
+            return scale, packed, err
+        return jax.jit(f)
+
+    fns["compress_xla"], fns["compress_pallas"] = compress("xla"), compress(pallas)
+    args = {"pass_xla": (x, s), "pass_pallas": (x, s), "compress_xla": (x, e), "compress_pallas": (x, e)}
+    fusions = {k: entry_fusions(f.lower(*args[k]).compile().as_text()) for k, f in fns.items()}
+    arms = {k: (lambda k=k: jax.block_until_ready(fns[k](*args[k]))) for k in fns}
+    times, _ = interleave(arms, 2, repeats, clock)
+    minimum = {"pass_xla": 4 * n + 4 * n + n // 8, "compress_xla": 8 * n + 4 * n + n // 8}
+    minimum["pass_pallas"], minimum["compress_pallas"] = minimum["pass_xla"], minimum["compress_xla"]
+    rows = []
+    for k, ts in times.items():
+        med = statistics.median(ts)
+        rows.append(dict(arm=k, ms=1e3 * med, kernels=fusions[k], gb_per_s=minimum[k] / med / 1e9,
+                         fraction_of_hbm_peak=ratio(minimum[k] / med, peaks()["hbm_bytes_per_s"])))
+    say(f"\n## Pack-and-error pass, {n:,} float32 elements (median of {len(times['pass_xla'])}); bits equal: "
+        f"{checks}\n")
+    say(table(rows, [("arm", "arm"), ("ms", "median ms"), ("kernels", "kernels"),
+                     ("gb_per_s", "GB/s (minimum bytes)"), ("fraction_of_hbm_peak", "of HBM peak")]))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return dict(elements=n, pallas_impl=pallas, bitwise_equal=checks, all_bitwise_equal=all(checks.values()),
+                bytes_counted="the least a pass can move: pass = x read, error written (4 + 4 bytes per element) "
+                              "and packed bits written; compress = x and e read, error and bits written",
+                rows=rows, speedup_pass=ratio(med["pass_xla"], med["pass_pallas"]),
+                speedup_compress=ratio(med["compress_xla"], med["compress_pallas"]), times_s=times)
+
+
+def lax_bits(a):
+    """float32 bits as uint32, so that equality is bitwise (and NaN equals itself)."""
+    return jax.lax.bitcast_convert_type(a, jnp.uint32)
+
+
+# ------------------------------------------------------------------------------------------------ 3. optimizer
 def param_shapes(config: BertConfig) -> dict:
     """Parameter shapes of BertForPreTraining by parameter path, a flat tree (nothing allocated)."""
     abstract = nnx.eval_shape(lambda: BertForPreTraining(config, rngs=nnx.Rngs(0)))
@@ -247,6 +340,9 @@ def bench_optimizer(size: dict, repeats: int, clock: Clock) -> dict:
         "onebit_adam": (jonebit.onebit_adam(LR, freeze_step=1), None),
         "onebit_adam_fused": (jonebit.onebit_adam(LR, freeze_step=1, fused=True), None),
         "adamw_allreduce_fp32": (optax.adamw(LR), "mean"),
+        # The same two 1-bit steps with the pack-and-error pass as the Pallas kernel (on a GPU; XLA elsewhere).
+        "onebit_adam_pallas": (jonebit.onebit_adam(LR, freeze_step=1), None),
+        "onebit_adam_fused_pallas": (jonebit.onebit_adam(LR, freeze_step=1, fused=True), None),
     }
     carry, arms, updates = {}, {}, {}
     for name, (tx, reduce) in specs_arms.items():
@@ -258,24 +354,30 @@ def bench_optimizer(size: dict, repeats: int, clock: Clock) -> dict:
         def run(name=name):
             carry[name] = jax.block_until_ready(updates[name](*carry[name], grads))
 
-        arms[name] = run
+        arms[name] = with_gpu_impl("pallas", run) if name.endswith("_pallas") else run
     times, first = interleave(arms, size["warmup"], repeats, clock)
     base_ms = statistics.median(times["adamw_allreduce_fp32"])
     rows = [dict(arm=k, ms=1e3 * statistics.median(v), ratio_to_adamw=statistics.median(v) / base_ms,
                  first_call_s=first[k]) for k, v in times.items()]
     counts = {k: onebit_count(carry[k][1]) for k in carry}
+    # Every arm ran the same steps on the same gradients: the kernel's arms must hold the same parameters, bit for bit.
+    same = {f"{k}_vs_{k}_pallas": all(bool(jnp.array_equal(lax_bits(a), lax_bits(b))) for a, b in zip(
+        jax.tree.leaves(carry[k][0]), jax.tree.leaves(carry[f"{k}_pallas"][0]), strict=True))
+        for k in ("onebit_adam", "onebit_adam_fused")}
+    say(f"parameters bit for bit equal with the Pallas pass: {same}")
     say(f"\n## Optimizer step, {n_params:,} params ({size['tree_config']} BertForPreTraining tree), world size "
         f"{mesh.size}, median of {len(times['adamw_allreduce_fp32'])}\n")
     say(table(rows, [("arm", "arm"), ("ms", "median ms"), ("ratio_to_adamw", "ratio to adamw + allreduce"),
                      ("first_call_s", "first call s")]))
     return dict(params=n_params, tree=f"BertForPreTraining {size['tree_config']}", world_size=mesh.size,
-                freeze_step=1, onebit_count_after=counts,
+                freeze_step=1, onebit_count_after=counts, pallas_params_bitwise_equal=same,
                 note="world size 1: the collectives are trivial, so this is the compression's compute overhead",
-                rows=rows, ratio_onebit_over_adamw=rows[0]["ratio_to_adamw"],
-                ratio_onebit_fused_over_adamw=rows[1]["ratio_to_adamw"], times_s=times)
+                rows=rows, times_s=times,
+                **{f"ratio_{k.replace('onebit_adam', 'onebit')}_over_adamw": r["ratio_to_adamw"]
+                   for k, r in zip(times, rows, strict=True) if k != "adamw_allreduce_fp32"})
 
 
-# ------------------------------------------------------------------------------------------------ 3. BERT step
+# ------------------------------------------------------------------------------------------------ 4. BERT step
 def pretraining_batch(config: BertConfig, batch: int, seq: int, seed: int = 0) -> dict:
     """A random batch in the gather form of ``jonebit.data.pretraining.collate`` (the pre-training pipeline's)."""
     rng = np.random.default_rng(seed)
@@ -370,6 +472,11 @@ def engine_arm(loss_rng, params, tx, mesh, batch, grad_reduce=None):
     return run, carry, lambda: onebit_count(carry["c"].opt_state)
 
 
+def pallas_arm(built):
+    run, carry, count = built
+    return with_gpu_impl("pallas", run), carry, count
+
+
 def bench_bert(size: dict, repeats: int, clock: Clock, batch_size: int) -> dict:
     mesh = data_mesh(1)
     seq = size["bert_seq"]
@@ -391,6 +498,10 @@ def bench_bert(size: dict, repeats: int, clock: Clock, batch_size: int) -> dict:
         "onebit_make_step": (mixed + "; 1-bit Adam (compression stage)",
                              lambda: make_step_arm(loss_bf16, bf16[1], onebit(), None, mesh, batch),
                              lambda: forward_dots(loss_bf16, bf16[1], host_batch)),
+        "onebit_make_step_pallas": (mixed + "; 1-bit Adam (compression stage), pack-and-error pass as the Pallas "
+                                    "kernel",
+                                    lambda: pallas_arm(make_step_arm(loss_bf16, bf16[1], onebit(), None, mesh, batch)),
+                                    lambda: forward_dots(loss_bf16, bf16[1], host_batch)),
         "onebit_engine": ("engine compute_dtype=bfloat16 (params cast to bf16 before the forward, grads summed in "
                           "fp32) on the bf16-dtype model; 1-bit Adam (compression stage)",
                           lambda: engine_arm(loss_bf16, bf16[1], onebit(), mesh, batch),
@@ -499,6 +610,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> dict:
         f"({env['backend']}), jax {env['jax']}")
     sections = {
         "packing": lambda: bench_packing(size, repeats, clock),
+        "kernels": lambda: bench_kernels(size, repeats, clock),
         "optimizer_step": lambda: bench_optimizer(size, repeats, clock),
         "bert_step": lambda: bench_bert(size, repeats, clock, batch_size),
     }

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_suite.py"
-SECTIONS = ("packing", "optimizer_step", "bert_step")
+SECTIONS = ("packing", "kernels", "optimizer_step", "bert_step")
 
 
 def _positive(x) -> bool:
@@ -41,7 +41,7 @@ def _run(tmp_path, *argv, timeout=300, out_dir=None):
 
 # Two halves, each one subprocess well under a minute on a loaded 2-core machine; together they cover every section.
 @pytest.mark.slow
-@pytest.mark.parametrize("selected", [("packing", "optimizer_step"), ("bert_step",)], ids=["kernels", "bert"])
+@pytest.mark.parametrize("selected", [("packing", "kernels", "optimizer_step"), ("bert_step",)], ids=["kernels", "bert"])
 def test_dry_run_writes_the_selected_sections(tmp_path, selected):
     report, stdout = _run(tmp_path, "--repeats", "2", "--sections", *selected)
     assert report["dry_run"] is True
@@ -70,19 +70,36 @@ def _check_packing(pack, stdout):
     assert "## Sign packing" in stdout
 
 
+def _check_kernels(kern, stdout):
+    # The Pallas kernel in the interpreter against XLA's pass: the bits and errors must match exactly (both compute
+    # x - s * (+-1), one rounding of the same subtraction), for every size, a partial last block and vmap among them.
+    assert kern["pallas_impl"] == "pallas_interpret"
+    assert set(kern["bitwise_equal"]) == {"8", "24016", "1048584", str(kern["elements"]), "vmap_3x24016"}
+    assert kern["all_bitwise_equal"] is True, kern["bitwise_equal"]
+    assert [r["arm"] for r in kern["rows"]] == ["pass_xla", "pass_pallas", "compress_xla", "compress_pallas"]
+    for r in kern["rows"]:
+        assert _positive(r["ms"]) and _positive(r["gb_per_s"]) and r["kernels"] >= 1, r
+    assert _positive(kern["speedup_pass"]) and _positive(kern["speedup_compress"])
+    assert "## Pack-and-error pass" in stdout
+
+
 def _check_optimizer_step(opt, stdout):
-    assert [r["arm"] for r in opt["rows"]] == ["onebit_adam", "onebit_adam_fused", "adamw_allreduce_fp32"]
+    assert [r["arm"] for r in opt["rows"]] == ["onebit_adam", "onebit_adam_fused", "adamw_allreduce_fp32",
+                                               "onebit_adam_pallas", "onebit_adam_fused_pallas"]
+    assert opt["pallas_params_bitwise_equal"] == {"onebit_adam_vs_onebit_adam_pallas": True,
+                                                  "onebit_adam_fused_vs_onebit_adam_fused_pallas": True}
     for r in opt["rows"]:
         assert all(_positive(r[k]) for k in ("ms", "ratio_to_adamw", "first_call_s")), r
         assert len(opt["times_s"][r["arm"]]) == 2
     assert _positive(opt["ratio_onebit_over_adamw"]) and _positive(opt["ratio_onebit_fused_over_adamw"])
-    for arm in ("onebit_adam", "onebit_adam_fused"):  # timed in the compression stage
+    for arm in ("onebit_adam", "onebit_adam_fused", "onebit_adam_pallas"):  # timed in the compression stage
         assert opt["onebit_count_after"][arm] > opt["freeze_step"]
     assert "## Optimizer step" in stdout and "| arm | median ms |" in stdout
 
 
 def _check_bert_step(bert, stdout):
-    assert set(bert["arms"]) == {"adamw_make_step", "onebit_make_step", "onebit_engine", "adamw_engine"}
+    assert set(bert["arms"]) == {"adamw_make_step", "onebit_make_step", "onebit_make_step_pallas", "onebit_engine",
+                                 "adamw_engine"}
     assert bert["skipped_arms"] == [] and bert["failed_arms"] == {}
     assert all(_positive(bert[k]) for k in ("flops_per_step", "params", "encoder_params", "batch", "seq"))
     assert "12 * layers * hidden * seq^2 * batch" in bert["flops_formula"]
@@ -99,7 +116,7 @@ def _check_bert_step(bert, stdout):
     assert "## BertForPreTraining" in stdout
 
 
-CHECKS = {"packing": _check_packing, "optimizer_step": _check_optimizer_step, "bert_step": _check_bert_step}
+CHECKS = {"packing": _check_packing, "kernels": _check_kernels, "optimizer_step": _check_optimizer_step, "bert_step": _check_bert_step}
 
 
 def test_time_budget_skips_sections_and_out_gets_a_copy(tmp_path):
