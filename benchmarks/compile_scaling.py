@@ -13,7 +13,10 @@ gradient buffers held) and compiled. ``optax.adamw`` with an fp32 mean allreduce
 
 The probes: ``perleaf_gspmd`` is the per-leaf program compiled with JAX's older GSPMD partitioner instead of Shardy
 (a global JAX setting; jonebit does not change it); ``slices_distinct`` / ``slices_same`` what LLVM's code
-generation costs per kernel (``_probe``).
+generation costs per kernel; ``shardmap_one`` / ``shardmap_chunks`` what Shardy costs per ``shard_map`` operand
+(``_probe``):
+
+    python benchmarks/compile_scaling.py --leaves 500 1000 2000 --forms shardmap_one shardmap_chunks --tag shardy
 
 Writes ``results/compile_scaling/<tag or compile_scaling>.json``; prints a table.
 """
@@ -36,7 +39,8 @@ from report import xla_compile_times  # noqa: E402
 
 FORMS = ("perleaf", "fused", "adamw", "perleaf_gspmd")
 # Probes of the compiler, not of an optimizer (results/compile_scaling/probes.json).
-PROBES = ("slices_distinct", "slices_same")
+PROBES = ("slices_distinct", "slices_same", "shardmap_one", "shardmap_chunks")
+_CHUNK = 100  # leaves per shard_map in the shardmap_chunks probe
 _MARK = "compiling the measured program"
 
 
@@ -102,10 +106,41 @@ def _probe(n: int, form: str):
     def same(xs, ys):
         return [jnp.where(ys[j] > 0, xs[j], 0.0) for j in range(n)]
 
+    if form.startswith("shardmap"):
+        return _shardmap_probe(n, form == "shardmap_chunks")
     row = jax.ShapeDtypeStruct((4096,), jnp.float32)
     if form == "slices_distinct":
         return jax.jit(distinct).lower(jax.ShapeDtypeStruct((n, 4096), jnp.float32), [row] * n)
     return jax.jit(same).lower([row] * n, [row] * n)
+
+
+def _shardmap_probe(n: int, chunked: bool):
+    """SGD with an fp32 mean allreduce on the ``n``-leaf tree of ``perleaf_compile.py`` (``x - 0.1 pmean(g)`` per
+    leaf, 8 devices): the whole tree in one ``shard_map`` (``2n`` operands, ``n`` results), or the same computation
+    as one ``shard_map`` per ``_CHUNK`` leaves. Per leaf the two programs are the same; only how many operands one
+    manual computation carries differs."""
+    import jax
+    from common import abstract
+    from jax.sharding import PartitionSpec as P
+    from perleaf_compile import bert_like
+
+    from jonebit.train.data_parallel import data_mesh
+
+    mesh = data_mesh(8)
+    shapes = bert_like(n, 128)
+    params, grads = abstract(shapes, mesh), abstract(shapes, mesh, spec=P("data"), lead=8)
+
+    def body(xs, gs):
+        return [x - 0.1 * jax.lax.pmean(g[0], "data") for x, g in zip(xs, gs, strict=True)]
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+
+    def step(xs, gs):
+        xs, gs = jax.tree.leaves(xs), jax.tree.leaves(gs)
+        size = _CHUNK if chunked else len(xs)
+        return [y for i in range(0, len(xs), size) for y in mapped(xs[i:i + size], gs[i:i + size])]
+
+    return jax.jit(step, donate_argnums=0).lower(params, grads)
 
 
 def _where_the_time_goes(log: str) -> dict:

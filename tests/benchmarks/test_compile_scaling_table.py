@@ -70,3 +70,20 @@ def test_the_user_docs_quote_the_result_file():
            if r["leaves"] == 2000}
     text = " ".join((ROOT / "docs" / "onebit-adam.md").read_text().split())
     assert f"{new['perleaf']['compile_s']:.0f} s against {new['adamw']['compile_s']:.0f} s" in text
+
+
+def test_the_shardy_probe_quoted_is_its_file():
+    rows = json.loads((RESULTS / "shardy.json").read_text())["rows"]
+    one = {r["leaves"]: r for r in rows if r["form"] == "shardmap_one"}
+    split = {r["leaves"]: r for r in rows if r["form"] == "shardmap_chunks"}
+    text = " ".join((ROOT / "benchmarks" / "BENCHMARKS.md").read_text().split())
+    quoted = (f"Shardy took {one[500]['shardy_s']:.2f}, {one[1000]['shardy_s']:.2f} and {one[2000]['shardy_s']:.2f} s "
+              f"at 500, 1,000 and 2,000 leaves in one `shard_map`, against {split[500]['shardy_s']:.2f}, "
+              f"{split[1000]['shardy_s']:.2f} and {split[2000]['shardy_s']:.2f} s split (the whole compile "
+              f"{one[2000]['compile_s']:.1f} against {split[2000]['compile_s']:.1f} s at 2,000)")
+    assert quoted in text, quoted
+    # What the section concludes: the same program (same op count), super-linear in one shard_map (doubling the
+    # leaves more than doubles Shardy's time, twice over), and at least 4x cheaper split at 2,000 leaves.
+    assert all(one[n]["hlo_ops"] == split[n]["hlo_ops"] for n in one)
+    assert one[2000]["shardy_s"] > 2.5 * one[1000]["shardy_s"] and one[1000]["shardy_s"] > 2.5 * one[500]["shardy_s"]
+    assert one[2000]["shardy_s"] > 4 * split[2000]["shardy_s"]

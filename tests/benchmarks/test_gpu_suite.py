@@ -41,7 +41,8 @@ def _run(tmp_path, *argv, timeout=300, out_dir=None):
 
 # Two halves, each one subprocess well under a minute on a loaded 2-core machine; together they cover every section.
 @pytest.mark.slow
-@pytest.mark.parametrize("selected", [("packing", "kernels", "optimizer_step"), ("bert_step",)], ids=["kernels", "bert"])
+@pytest.mark.parametrize("selected", [("packing", "kernels", "optimizer_step"), ("bert_step",)],
+                         ids=["kernels", "bert"])
 def test_dry_run_writes_the_selected_sections(tmp_path, selected):
     report, stdout = _run(tmp_path, "--repeats", "2", "--sections", *selected)
     assert report["dry_run"] is True
@@ -116,7 +117,8 @@ def _check_bert_step(bert, stdout):
     assert "## BertForPreTraining" in stdout
 
 
-CHECKS = {"packing": _check_packing, "kernels": _check_kernels, "optimizer_step": _check_optimizer_step, "bert_step": _check_bert_step}
+CHECKS = {"packing": _check_packing, "kernels": _check_kernels, "optimizer_step": _check_optimizer_step,
+          "bert_step": _check_bert_step}
 
 
 def test_time_budget_skips_sections_and_out_gets_a_copy(tmp_path):
