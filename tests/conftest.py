@@ -3,9 +3,13 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_flag = "--xla_force_host_platform_device_count=8"
-if _flag not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+# XLA:CPU aborts the process when a device thread reaches a collective more than 40 s after another one did (its
+# default termination timeout): on a loaded 2-core machine, eight simulated devices' threads can be that far apart
+# without any deadlock (seen: a 1-bit step beside two compiling processes). Ten minutes keeps it a hang guard
+# (tests/mpi_util.HANG_GUARD, which child processes get; not imported here: jax must not be imported first).
+for _flag in ("--xla_force_host_platform_device_count=8", "--xla_cpu_collective_call_terminate_timeout_seconds=600"):
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
 # Compile with XLA's optimisations mostly off (LLVM -O0, no expensive passes): the suite spends most of its time
 # compiling 8-device programs that then run a few steps, and this cuts its CPU time by about a fifth. Tests assert

@@ -33,8 +33,14 @@ def require_mpi() -> str:
     return mpirun
 
 
+# XLA:CPU aborts a process whose device threads reach a collective more than 40 s apart (its default), which a
+# loaded 2-core machine can do without any deadlock; ten minutes keeps it a hang guard (every process of the suite).
+HANG_GUARD = "--xla_cpu_collective_call_terminate_timeout_seconds=600"
+
+
 def worker_env(**extra: str) -> dict:
-    """Environment for child processes: CPU only, one device each, jonebit importable from the checkout."""
+    """Environment for child processes: CPU only, one device each (unless ``XLA_FLAGS`` says otherwise), jonebit
+    importable from the checkout, XLA's collective timeout a hang guard (:data:`HANG_GUARD`)."""
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # conftest's 8 simulated devices are for the pytest process only
     env.update(
@@ -47,6 +53,7 @@ def worker_env(**extra: str) -> dict:
         OMPI_MCA_rmaps_base_oversubscribe="1",
     )
     env.update(extra)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + HANG_GUARD).strip()
     return env
 
 
