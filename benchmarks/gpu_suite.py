@@ -458,11 +458,15 @@ def make_step_arm(loss_rng, params, tx, reduce, mesh, batch):
     return run, carry, lambda: onebit_count(carry["c"][1])
 
 
-def engine_arm(loss_rng, params, tx, mesh, batch, grad_reduce=None):
+def engine_arm(loss_rng, params, tx, mesh, batch, grad_reduce=None, compute_dtype="bfloat16", rng_seed=0):
     """The engine's step (``make_train_step``) with ``compute_dtype="bfloat16"``, dropout keys from the engine;
-    ``grad_reduce="mean"`` for a standard optimizer (1-bit Adam reduces its own gradient)."""
+    ``grad_reduce="mean"`` for a standard optimizer (1-bit Adam reduces its own gradient). ``compute_dtype=None``:
+    the parameters reach the model in float32 and its layers cast them (as in ``make_step``); ``rng_seed=None``:
+    one fixed dropout key (as in ``make_step``), not one derived per step and rank."""
     state, specs = init_train_state(tx, params, mesh)
-    step = make_train_step(loss_rng, tx, mesh, specs, compute_dtype="bfloat16", rng_seed=0, grad_reduce=grad_reduce)
+    loss = loss_rng if rng_seed is not None else (lambda p, b: loss_rng(p, b, jax.random.key(0)))
+    step = make_train_step(loss, tx, mesh, specs, compute_dtype=compute_dtype, rng_seed=rng_seed,
+                           grad_reduce=grad_reduce)
     carry = {"c": state, "loss": None}
 
     def run():
@@ -509,6 +513,17 @@ def bench_bert(size: dict, repeats: int, clock: Clock, batch_size: int) -> dict:
         "adamw_engine": ("engine compute_dtype=bfloat16 on the bf16-dtype model; optax.adamw + fp32 mean allreduce",
                          lambda: engine_arm(loss_bf16, bf16[1], optax.adamw(LR), mesh, batch, "mean"),
                          lambda: forward_dots(loss_bf16, bf16[1], host_batch, jnp.bfloat16)),
+        # Where the engine's time goes beyond make_step's: its up-front cast of the parameters, its dropout keys.
+        "adamw_engine_model_casts": (mixed + "; engine without compute_dtype (the model's own casts, as make_step); "
+                                     "optax.adamw + fp32 mean allreduce",
+                                     lambda: engine_arm(loss_bf16, bf16[1], optax.adamw(LR), mesh, batch, "mean",
+                                                        compute_dtype=None),
+                                     lambda: forward_dots(loss_bf16, bf16[1], host_batch)),
+        "adamw_engine_fixed_key": ("engine compute_dtype=bfloat16, one fixed dropout key (as make_step); optax.adamw "
+                                   "+ fp32 mean allreduce",
+                                   lambda: engine_arm(loss_bf16, bf16[1], optax.adamw(LR), mesh, batch, "mean",
+                                                      rng_seed=None),
+                                   lambda: forward_dots(loss_bf16, bf16[1], host_batch, jnp.bfloat16)),
     }
     arms, carries, counts, first, skipped, failed = {}, {}, {}, {}, [], {}
     for name, (_, build, _) in specs.items():

@@ -13,9 +13,11 @@ Rows:
   (:mod:`jonebit.sharding.layerwise`);
 * ``3 (whole tree)``: the same stage-3 step with the layers as a list, whose parameters are all gathered at the
   step's start (what every model without stacked layers gets);
-* with ``--onebit``: 1-bit Adam (``onebit_adam_zero``) under stages 1-3, its compression phase's program (its
-  parameters at stage 3 are flat chunks, gathered whole: no layer-wise gather yet). Its working set is not
-  modelled (the expected column is blank).
+* with ``--onebit``: 1-bit Adam (``onebit_adam_zero``) under stages 1-3, its compression phase's program; at
+  stage 3 its parameters are flat chunks, all gathered at the step's start (the stacked model and, as
+  ``3 (whole tree)``, the list-of-layers one). Its model states are its own table's
+  (``jonebit.transforms.onebit_adam_zero``: the whole local gradient and worker error on every rank, the momentum
+  as packed signs), its working set the gathered parameters.
 
 Next to each, what the memory should be:
 
@@ -61,8 +63,17 @@ MASKED = 20
 STATES = {0: "16Ψ", 1: "8Ψ + 8Ψ/N", 2: "4Ψ + 12Ψ/N", 3: "16Ψ/N"}
 
 
+# 1-bit Adam's ZeRO variant (jonebit.transforms.onebit_adam_zero's table): the whole local gradient and worker
+# error on every rank, the synchronised momentum as packed signs (Ψ/8), the rest partitioned.
+ONEBIT_STATES = {1: "16Ψ + 12Ψ/N + Ψ/8", 2: "16Ψ + 12Ψ/N + Ψ/8", 3: "8Ψ + 16Ψ/N + Ψ/8"}
+
+
 def model_states(stage: int, psi: int, n: int) -> float:
     return {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[stage]
+
+
+def onebit_states(stage: int, psi: int, n: int) -> float:
+    return {1: 16 * psi + 12 * psi / n, 2: 16 * psi + 12 * psi / n, 3: 8 * psi + 16 * psi / n}[stage] + psi / 8
 
 
 def bert(config: BertConfig, scan: bool):
@@ -143,12 +154,14 @@ def run_model(name: str, mesh, batch: int, seq: int, onebit: bool) -> list[dict]
 
     def add(stage: int, variant: str, optimizer: str, measured: dict, seconds: float, working: float,
             layerwise: bool = True):
-        states = model_states(stage, psi, n)
+        onebit = optimizer == "onebit_adam"
+        states = (onebit_states if onebit else model_states)(stage, psi, n)
         a = act[3 if stage == 3 and layerwise else 0]
         expected = states + working + a
         rows.append(dict(model=name, layers=config.num_hidden_layers, hidden=config.hidden_size, psi=psi,
                          stage=stage, variant=variant, optimizer=optimizer, **{k: v / MB for k, v in measured.items()},
-                         states_formula=STATES[stage], states=states / MB, working=working / MB,
+                         states_formula=(ONEBIT_STATES if onebit else STATES)[stage], states=states / MB,
+                         working=working / MB,
                          activations=a / MB, expected=expected / MB, ratio=measured["peak"] / expected,
                          compile_s=round(seconds, 1)))
         r = rows[-1]
@@ -165,12 +178,17 @@ def run_model(name: str, mesh, batch: int, seq: int, onebit: bool) -> list[dict]
     measured, seconds = compiled_step(whole_loss, tx, whole_params, mesh, 3, gbatch)
     add(3, "3 (whole tree)", "adamw", measured, seconds, 2 * 4 * psi, layerwise=False)
     if onebit:
+        # The compression phase's own program, as the step runs it after the freeze. Working set beyond the model
+        # states (which count the whole local gradient): at stage 3 the parameters, all gathered at the step's
+        # start (its flat chunks are not gathered layer by layer), so the activations are those of a plain scan.
+        compression = ((OneBitAdamZeroState, "compression"),)
         for stage in (1, 2, 3):
-            # The compression phase's own program, as the step runs it after the freeze.
             otx = jonebit.onebit_adam_zero(1e-4, freeze_step=1, stage=stage)
-            measured, seconds = compiled_step(loss_fn, otx, params, mesh, stage, gbatch,
-                                              phases=((OneBitAdamZeroState, "compression"),))
-            add(stage, str(stage), "onebit_adam", measured, seconds, float("nan"))
+            measured, seconds = compiled_step(loss_fn, otx, params, mesh, stage, gbatch, phases=compression)
+            add(stage, str(stage), "onebit_adam", measured, seconds, 4 * psi if stage == 3 else 0, layerwise=False)
+        otx = jonebit.onebit_adam_zero(1e-4, freeze_step=1, stage=3)
+        measured, seconds = compiled_step(whole_loss, otx, whole_params, mesh, 3, gbatch, phases=compression)
+        add(3, "3 (whole tree)", "onebit_adam", measured, seconds, 4 * psi, layerwise=False)
     return rows
 
 

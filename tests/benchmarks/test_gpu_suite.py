@@ -100,7 +100,7 @@ def _check_optimizer_step(opt, stdout):
 
 def _check_bert_step(bert, stdout):
     assert set(bert["arms"]) == {"adamw_make_step", "onebit_make_step", "onebit_make_step_pallas", "onebit_engine",
-                                 "adamw_engine"}
+                                 "adamw_engine", "adamw_engine_model_casts", "adamw_engine_fixed_key"}
     assert bert["skipped_arms"] == [] and bert["failed_arms"] == {}
     assert all(_positive(bert[k]) for k in ("flops_per_step", "params", "encoder_params", "batch", "seq"))
     assert "12 * layers * hidden * seq^2 * batch" in bert["flops_formula"]
