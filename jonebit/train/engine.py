@@ -76,7 +76,7 @@ from jonebit.train.step import (
 from jonebit.train.zero import init_zero
 from jonebit.transforms.base import moves_params_per_rank
 from jonebit.transforms.onebit_adam import local_abstract_state, sharded_init
-from jonebit.transforms.phases import fixed_phases, next_phases
+from jonebit.transforms.phases import fixed_phases, has_phases, next_phases
 
 __all__ = [
     "LossScaleState",
@@ -564,9 +564,12 @@ def make_train_step(
             programs[phases] = jax.jit(traced, **jit_kw), keep
         return programs[phases]
 
+    # Read once: a state without phases (every standard optimizer) needs no walk of its tree on every step.
+    phased = per_phase and has_phases(specs.opt_state)
+
     def phases_of(state: TrainState):
         """The phases the next update runs (read from the state), or None for the one program with every phase."""
-        return next_phases(state.opt_state) if per_phase else None
+        return next_phases(state.opt_state) if phased else None
 
     jitted = jitted_for(None)[0]
 
@@ -613,8 +616,9 @@ def make_train_step(
         keep the donation (1-bit optimizers: only their step count is copied).
         """
         phases = phases_of(state)
-        key = phases, jax.tree.structure((state, batch)), tuple(
-            (np.shape(x), str(getattr(x, "dtype", type(x)))) for x in jax.tree.leaves((state, batch)))
+        # One walk of the tree per step (this runs on the host before every step; dtypes hash as they are).
+        leaves, treedef = jax.tree.flatten((state, batch))
+        key = phases, treedef, tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves)
         if key not in cache:
             check_layout(state)
             batch = jax.device_put(batch, batch_sharding)

@@ -58,6 +58,11 @@ def _is_phased(x) -> bool:
     return hasattr(type(x), "PHASES") and hasattr(x, "next_phase")
 
 
+def has_phases(opt_state) -> bool:
+    """Whether ``opt_state`` (arrays, or the same structure of specs) holds a 1-bit family state with phases."""
+    return any(_is_phased(x) for x in jax.tree.leaves(opt_state, is_leaf=_is_phased))
+
+
 def next_phases(opt_state) -> tuple | None:
     """``((state type, phase name), ...)`` of every 1-bit family state in ``opt_state`` (read from the device), or
     None where there is none, it is abstract (``ShapeDtypeStruct``), or copies of one type disagree."""
