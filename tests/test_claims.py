@@ -161,7 +161,23 @@ def results_claims() -> list[str]:
     claims.append(f"costs {eng['Adam (fp32 allreduce)']:.2f}x (Adam) and {eng['1-bit Adam (compression stage)']:.2f}x "
                   "(1-bit Adam) of the bare step on the tiny LM (8 simulated devices)")
     claims.extend(_convergence_claims())
+    claims.extend(_gpu_claims())
     return claims
+
+
+def _gpu_claims() -> list[str]:
+    runs = [_load(f"gpu_suite/{name}.json") for name in ("h200_pallas", "h200_engine")]
+    bert = [r["bert_step"]["arms"] for r in runs]
+    step = [a["onebit_make_step"]["step_ms"] / a["adamw_make_step"]["step_ms"] for a in bert]
+    opt = [r["optimizer_step"]["ratio_onebit_over_adamw"] for r in runs]
+    kernel = [next(x for x in r["kernels"]["rows"] if x["arm"] == "pass_xla") for r in runs]
+    copy = [r["packing"]["copy_bytes_per_s"] for r in runs]
+    share = [k["gb_per_s"] * 1e9 / c for k, c in zip(kernel, copy, strict=True)]
+    assert {r["environment"]["device_kind"] for r in runs} == {"NVIDIA H200"}
+    assert all(k["kernels"] == 1 for k in kernel)
+    return [f"1-bit Adam's BERT-base bf16 training step costs {_range(step, '{:.2f}')} AdamW's through",
+            f"its compression step {_range(opt, '{:.2f}')}",
+            f"into one kernel at {_range(share, '{:.2f}', '')} of a copy's bandwidth"]
 
 
 def _phase_programs_claims() -> list[str]:
