@@ -81,6 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bert-batch", type=int, help="BERT sequences per step (default 32, dry run 2)")
     p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), metavar="NAME",
                    help=f"run only these sections (default all: {' '.join(SECTIONS)})")
+    p.add_argument("--bert-arms", nargs="+", default=None, metavar="ARM",
+                   help="run only these arms of the bert_step section (default all)")
     return p.parse_args(argv)
 
 
@@ -481,7 +483,11 @@ def pallas_arm(built):
     return with_gpu_impl("pallas", run), carry, count
 
 
-def bench_bert(size: dict, repeats: int, clock: Clock, batch_size: int) -> dict:
+BERT_ARMS = ("adamw_make_step", "onebit_make_step", "onebit_make_step_pallas", "onebit_engine", "adamw_engine",
+             "adamw_engine_model_casts", "adamw_engine_fixed_key")
+
+
+def bench_bert(size: dict, repeats: int, clock: Clock, batch_size: int, only=BERT_ARMS) -> dict:
     mesh = data_mesh(1)
     seq = size["bert_seq"]
     config = model_config(size, size["bert_config"])
@@ -525,8 +531,11 @@ def bench_bert(size: dict, repeats: int, clock: Clock, batch_size: int) -> dict:
                                                       rng_seed=None),
                                    lambda: forward_dots(loss_bf16, bf16[1], host_batch, jnp.bfloat16)),
     }
+    assert tuple(specs) == BERT_ARMS
     arms, carries, counts, first, skipped, failed = {}, {}, {}, {}, [], {}
     for name, (_, build, _) in specs.items():
+        if name not in only:
+            continue
         if clock.over():
             skipped.append(name)
             continue
@@ -611,6 +620,10 @@ def main(args: argparse.Namespace, argv: list[str]) -> dict:
     batch_size = args.bert_batch or size["bert_batch"]
     if repeats < 1 or batch_size < 1:
         raise SystemExit("--repeats and --bert-batch must be at least 1")
+    bert_arms = tuple(args.bert_arms or BERT_ARMS)
+    if set(bert_arms) - set(BERT_ARMS):
+        raise SystemExit(f"--bert-arms: unknown {sorted(set(bert_arms) - set(BERT_ARMS))}; choose from "
+                         f"{' '.join(BERT_ARMS)}")
     if args.out:
         out, extra = pathlib.Path(args.out), None
     else:
@@ -619,7 +632,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> dict:
     clock = Clock(args.budget_s)
     env = environment(argv)
     report = {"meta": report_md.run_meta(argv), "suite": "gpu_suite", "dry_run": args.dry_run,
-              "sizes": {**size, "repeats": repeats, "bert_batch": batch_size},
+              "sizes": {**size, "repeats": repeats, "bert_batch": batch_size, "bert_arms": list(bert_arms)},
               "budget_s": args.budget_s, "environment": env}
     say(f"jonebit GPU suite{' (dry run)' if args.dry_run else ''}: {env['device_kind']} x {env['device_count']} "
         f"({env['backend']}), jax {env['jax']}")
@@ -627,7 +640,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> dict:
         "packing": lambda: bench_packing(size, repeats, clock),
         "kernels": lambda: bench_kernels(size, repeats, clock),
         "optimizer_step": lambda: bench_optimizer(size, repeats, clock),
-        "bert_step": lambda: bench_bert(size, repeats, clock, batch_size),
+        "bert_step": lambda: bench_bert(size, repeats, clock, batch_size, bert_arms),
     }
     for name, run in sections.items():
         t0 = time.perf_counter()

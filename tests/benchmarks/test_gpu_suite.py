@@ -39,12 +39,19 @@ def _run(tmp_path, *argv, timeout=300, out_dir=None):
     return json.loads(out.read_text()), proc.stdout
 
 
-# Two halves, each one subprocess well under a minute on a loaded 2-core machine; together they cover every section.
+CORE_ARMS = ("adamw_make_step", "onebit_make_step", "onebit_engine", "adamw_engine")
+DIAGNOSTIC_ARMS = ("onebit_make_step_pallas", "adamw_engine_model_casts", "adamw_engine_fixed_key")
+
+
+# Three parts, each one subprocess under a minute on a loaded 2-core machine; together they cover every section and
+# every arm of the BERT step.
 @pytest.mark.slow
-@pytest.mark.parametrize("selected", [("packing", "kernels", "optimizer_step"), ("bert_step",)],
-                         ids=["kernels", "bert"])
-def test_dry_run_writes_the_selected_sections(tmp_path, selected):
-    report, stdout = _run(tmp_path, "--repeats", "2", "--sections", *selected)
+@pytest.mark.parametrize("selected,arms", [(("packing", "kernels", "optimizer_step"), CORE_ARMS),
+                                           (("bert_step",), CORE_ARMS), (("bert_step",), DIAGNOSTIC_ARMS)],
+                         ids=["kernels", "bert", "bert_diagnostics"])
+def test_dry_run_writes_the_selected_sections(tmp_path, selected, arms):
+    report, stdout = _run(tmp_path, "--repeats", "2", "--sections", *selected, "--bert-arms", *arms)
+    assert report["sizes"]["bert_arms"] == list(arms)
     assert report["dry_run"] is True
     for name in SECTIONS:
         if name not in selected:
@@ -58,10 +65,10 @@ def test_dry_run_writes_the_selected_sections(tmp_path, selected):
     assert "--dry-run" in env["command"]
     assert env["peaks"] == {"hbm_bytes_per_s": None, "bf16_flops_per_s": None}  # CPU: no peak to compare with
     for name in selected:
-        CHECKS[name](report[name], stdout)
+        CHECKS[name](report[name], stdout, arms)
 
 
-def _check_packing(pack, stdout):
+def _check_packing(pack, stdout, _arms):
     assert pack["roundtrip_ok"] is True
     assert [r["op"] for r in pack["rows"]] == ["pack", "unpack", "copy"]
     for r in pack["rows"]:
@@ -71,7 +78,7 @@ def _check_packing(pack, stdout):
     assert "## Sign packing" in stdout
 
 
-def _check_kernels(kern, stdout):
+def _check_kernels(kern, stdout, _arms):
     # The Pallas kernel in the interpreter against XLA's pass: the bits and errors must match exactly (both compute
     # x - s * (+-1), one rounding of the same subtraction), for every size, a partial last block and vmap among them.
     assert kern["pallas_impl"] == "pallas_interpret"
@@ -84,7 +91,7 @@ def _check_kernels(kern, stdout):
     assert "## Pack-and-error pass" in stdout
 
 
-def _check_optimizer_step(opt, stdout):
+def _check_optimizer_step(opt, stdout, _arms):
     assert [r["arm"] for r in opt["rows"]] == ["onebit_adam", "onebit_adam_fused", "adamw_allreduce_fp32",
                                                "onebit_adam_pallas", "onebit_adam_fused_pallas"]
     assert opt["pallas_params_bitwise_equal"] == {"onebit_adam_vs_onebit_adam_pallas": True,
@@ -98,9 +105,8 @@ def _check_optimizer_step(opt, stdout):
     assert "## Optimizer step" in stdout and "| arm | median ms |" in stdout
 
 
-def _check_bert_step(bert, stdout):
-    assert set(bert["arms"]) == {"adamw_make_step", "onebit_make_step", "onebit_make_step_pallas", "onebit_engine",
-                                 "adamw_engine", "adamw_engine_model_casts", "adamw_engine_fixed_key"}
+def _check_bert_step(bert, stdout, arms):
+    assert set(bert["arms"]) == set(arms)
     assert bert["skipped_arms"] == [] and bert["failed_arms"] == {}
     assert all(_positive(bert[k]) for k in ("flops_per_step", "params", "encoder_params", "batch", "seq"))
     assert "12 * layers * hidden * seq^2 * batch" in bert["flops_formula"]
@@ -113,7 +119,9 @@ def _check_bert_step(bert, stdout):
             assert arm["onebit_count_after"] > 1, name
         dots = arm["forward_dot_dtypes"]
         assert set(dots) == {"bfloat16 x bfloat16"}
-    assert _positive(bert["ratio_onebit_over_adamw_tokens"]) and _positive(bert["ratio_engine_over_make_step_tokens"])
+    if set(arms) == set(CORE_ARMS):
+        assert _positive(bert["ratio_onebit_over_adamw_tokens"])
+        assert _positive(bert["ratio_engine_over_make_step_tokens"])
     assert "## BertForPreTraining" in stdout
 
 
@@ -143,3 +151,14 @@ def test_synthetic_batch_has_the_pipelines_format():
         pos = batch["masked_lm_positions"][r][batch["masked_lm_weights"][r] > 0]
         assert len(set(pos.tolist())) == len(pos) and 0 < pos.min() and pos.max() < lengths[r]  # never [CLS]
         np.testing.assert_array_equal(batch["masked_lm_ids"][r][: len(pos)], batch["input_ids"][r][pos])
+
+
+def test_an_unknown_bert_arm_is_refused_by_name(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--sections", "bert_step", "--bert-arms", "nope",
+                           "--out", str(tmp_path / "x.json")], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0
+    assert "--bert-arms: unknown ['nope']; choose from adamw_make_step" in proc.stderr
+    assert not (tmp_path / "x.json").exists()
