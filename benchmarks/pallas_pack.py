@@ -2,11 +2,11 @@
 
 After the scale ``s`` of a compensated buffer ``x`` is known, compression writes the packed signs (8 per byte,
 :mod:`jonebit.comm.packing`'s order) and the new error ``x - s sgn(x)``. The kernel reads each element once and
-writes both. Measured on an H200 (``gpu_suite.py``'s ``kernels`` section, ``results/gpu_suite/h200_pallas.json``):
-XLA already emits this pass as one kernel at 0.96 of a copy's bandwidth, and the kernel ran at 0.96x XLA's speed,
-so jonebit keeps XLA's program (``jonebit.comm.compressed._compress``). The kernel also differed from XLA on a
-buffer whose last block is partial (24,016 elements; equal at 8, 2^20 + 8 and 2^28): not investigated, since the
-kernel is not used. Kept here so that the measurement can be rerun.
+writes both. Measured on two H200s (``gpu_suite.py``'s ``kernels`` section, ``results/gpu_suite/h200_pallas.json``,
+``h200_engine.json``): XLA already emits this pass as one kernel at 0.96 of a copy's bandwidth, and the kernel ran
+at 0.96x and 0.89x XLA's speed, so jonebit keeps XLA's program (``jonebit.comm.compressed._compress``). The kernel
+also differed from XLA on a buffer whose last block is partial (24,016 elements, in both runs; equal at 8, 2^20 + 8
+and 2^28): not investigated, since the kernel is not used. Kept here so that the measurement can be rerun.
 
 Both compute the same values by construction where they agree on the block: the bits are exact, and ``s * (+-1)``
 is exact, so ``x - s * sgn(x)`` is one rounding of the same subtraction (also when contracted into an FMA).
