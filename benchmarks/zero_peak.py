@@ -39,6 +39,7 @@ Next to each, what the memory should be:
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import common  # noqa: F401  (sets the CPU device count before jax starts)
@@ -55,6 +56,7 @@ import jonebit
 from jonebit.models.bert import BertConfig, BertForPreTraining, pretraining_loss
 from jonebit.sharding.layerwise import STACKED_KEY, gathering
 from jonebit.sharding.mesh import data_mesh
+from jonebit.train.engine import copied_parameters
 from jonebit.train.zero import abstract_zero, make_zero_step
 from jonebit.transforms.onebit_adam_zero import OneBitAdamZeroState
 
@@ -119,7 +121,14 @@ def compiled_step(loss_fn, tx, params, mesh, stage: int, batch, phases=None) -> 
     lowered = step.lower(a_params, a_state, batch) if phases is None else step.lower(a_params, a_state, batch,
                                                                                       phases=phases)
     c = lowered.compile()
-    return peak(c), time.perf_counter() - t0
+    return {**peak(c), "copied": copied_argument_bytes(c, (a_params, a_state, batch))}, time.perf_counter() - t0
+
+
+def copied_argument_bytes(compiled, args) -> int:
+    """Per-device bytes of the arguments the program copies whole before using them (XLA:CPU copies a donated
+    buffer it reads after writing its new value: ``jonebit.train.engine.copied_parameters``)."""
+    sizes = [math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(args)]
+    return sum(sizes[i] for i in copied_parameters(compiled.as_text()) if i < len(sizes))
 
 
 def activations(loss_fn, params, batch_per_device: int, seq: int, layerwise: bool) -> int:

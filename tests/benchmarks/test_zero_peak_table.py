@@ -40,6 +40,13 @@ def test_the_result_file_holds_the_claims():
         ROOT / "benchmarks" / "BENCHMARKS.md").read_text()
     for model in ("base", "large"):
         assert abs(adamw[model, "3"]["ratio"] - 1) <= 0.15
+    # Stage 0's excess: the program copies both Adam moments whole (8 bytes per parameter), stages 1-3 their shards.
+    for x in adamw.values():
+        want = 8 * x["psi"] / 1e6 / (1 if x["stage"] == 0 else 8)
+        assert abs(x["copied"] - want) <= 0.01 * want, (x["model"], x["variant"], x["copied"], want)
+    b0, l0 = adamw["base", "0"]["copied"], adamw["large", "0"]["copied"]
+    assert f"the program copies {b0:,.0f} MB of its arguments for base and {l0:,.0f} MB for large: 8Ψ" in " ".join(
+        (ROOT / "benchmarks" / "BENCHMARKS.md").read_text().split())
     # 1-bit Adam: within the stated margins of its own model states (+ the gathered tree at stage 3).
     onebit = {(x["model"], x["variant"]): x for x in rows if x["optimizer"] == "onebit_adam"}
     text = " ".join((ROOT / "benchmarks" / "BENCHMARKS.md").read_text().split())
