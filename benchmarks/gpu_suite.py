@@ -258,14 +258,12 @@ def bench_kernels(size: dict, repeats: int, clock: Clock) -> dict:
         s = jnp.linalg.norm(x) / np.float32(math.sqrt(m))
         a = jax.jit(lambda x, s: kernels.pack_with_error(x, s, impl="xla"))(x, s)
         b = jax.jit(lambda x, s, i=pallas: kernels.pack_with_error(x, s, impl=i))(x, s)
-        checks[str(m)] = bool(jnp.array_equal(a[0], b[0])) and bool(
-            jnp.array_equal(lax_bits(a[1]), lax_bits(b[1])))
+        checks[str(m)] = same_bits(a, b)
     xs = jax.random.normal(jax.random.key(7), (3, 24_016), jnp.float32)
     ss = jnp.array([0.5, 1.0, 2.0], jnp.float32)
     va = jax.vmap(lambda x, s: kernels.pack_with_error(x, s, impl="xla"))(xs, ss)
     vb = jax.vmap(lambda x, s: kernels.pack_with_error(x, s, impl=pallas))(xs, ss)
-    checks["vmap_3x24016"] = bool(jnp.array_equal(va[0], vb[0])) and bool(
-        jnp.array_equal(lax_bits(va[1]), lax_bits(vb[1])))
+    checks["vmap_3x24016"] = same_bits(va, vb)
 
     x = jax.block_until_ready(jax.random.normal(jax.random.key(0), (n,), jnp.float32))
     e = jax.block_until_ready(jax.random.normal(jax.random.key(1), (n,), jnp.float32) * 0.01)
@@ -307,9 +305,13 @@ def bench_kernels(size: dict, repeats: int, clock: Clock) -> dict:
                 speedup_compress=ratio(med["compress_xla"], med["compress_pallas"]), times_s=times)
 
 
-def lax_bits(a):
-    """float32 bits as uint32, so that equality is bitwise (and NaN equals itself)."""
-    return jax.lax.bitcast_convert_type(a, jnp.uint32)
+def same_bits(a, b) -> bool:
+    """Whether two trees hold the same values bit for bit (floats compared as their bits: NaN equals itself)."""
+    def bits(x):
+        return jax.lax.bitcast_convert_type(x, jnp.uint32) if x.dtype == jnp.float32 else x
+
+    return all(bool(jnp.array_equal(bits(x), bits(y)))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
 # ------------------------------------------------------------------------------------------------ 3. optimizer
@@ -363,9 +365,8 @@ def bench_optimizer(size: dict, repeats: int, clock: Clock) -> dict:
                  first_call_s=first[k]) for k, v in times.items()]
     counts = {k: onebit_count(carry[k][1]) for k in carry}
     # Every arm ran the same steps on the same gradients: the kernel's arms must hold the same parameters, bit for bit.
-    same = {f"{k}_vs_{k}_pallas": all(bool(jnp.array_equal(lax_bits(a), lax_bits(b))) for a, b in zip(
-        jax.tree.leaves(carry[k][0]), jax.tree.leaves(carry[f"{k}_pallas"][0]), strict=True))
-        for k in ("onebit_adam", "onebit_adam_fused")}
+    same = {f"{k}_vs_{k}_pallas": same_bits(carry[k][0], carry[f"{k}_pallas"][0])
+            for k in ("onebit_adam", "onebit_adam_fused")}
     say(f"parameters bit for bit equal with the Pallas pass: {same}")
     say(f"\n## Optimizer step, {n_params:,} params ({size['tree_config']} BertForPreTraining tree), world size "
         f"{mesh.size}, median of {len(times['adamw_allreduce_fp32'])}\n")

@@ -3,11 +3,10 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# XLA:CPU aborts the process when a device thread reaches a collective more than 40 s after another one did (its
-# default termination timeout): on a loaded 2-core machine, eight simulated devices' threads can be that far apart
-# without any deadlock (seen: a 1-bit step beside two compiling processes). Ten minutes keeps it a hang guard
-# (tests/mpi_util.HANG_GUARD, which child processes get; not imported here: jax must not be imported first).
-for _flag in ("--xla_force_host_platform_device_count=8", "--xla_cpu_collective_call_terminate_timeout_seconds=600"):
+from tests.mpi_util import HANG_GUARD  # noqa: E402  (standard library only: jax is not imported yet)
+
+# XLA:CPU's 40 s collective termination timeout becomes a hang guard (see HANG_GUARD), as in child processes.
+for _flag in ("--xla_force_host_platform_device_count=8", HANG_GUARD):
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 

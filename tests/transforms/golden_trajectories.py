@@ -25,8 +25,9 @@ import os
 import pathlib  # noqa: E402
 import sys  # noqa: E402
 
-XLA_FLAGS = ("--xla_force_host_platform_device_count=8 --xla_cpu_max_isa=SSE4_2"
-             " --xla_cpu_collective_call_terminate_timeout_seconds=600")  # a hang guard only (tests/mpi_util.py)
+from tests.mpi_util import HANG_GUARD  # noqa: E402  (standard library only: jax is not imported yet)
+
+XLA_FLAGS = f"--xla_force_host_platform_device_count=8 --xla_cpu_max_isa=SSE4_2 {HANG_GUARD}"
 if __name__ == "__main__":  # the recording and the replay run as their own process, with these flags
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["XLA_FLAGS"] = XLA_FLAGS
