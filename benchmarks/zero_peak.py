@@ -14,10 +14,10 @@ Rows:
 * ``3 (whole tree)``: the same stage-3 step with the layers as a list, whose parameters are all gathered at the
   step's start (what every model without stacked layers gets);
 * with ``--onebit``: 1-bit Adam (``onebit_adam_zero``) under stages 1-3, its compression phase's program; at
-  stage 3 its parameters are flat chunks, all gathered at the step's start (the stacked model and, as
-  ``3 (whole tree)``, the list-of-layers one). Its model states are its own table's
-  (``jonebit.transforms.onebit_adam_zero``: the whole local gradient and worker error on every rank, the momentum
-  as packed signs), its working set the gathered parameters.
+  stage 3 its parameters are flat chunks, those of the stack gathered one layer at a time inside the scan (and,
+  as ``3 (whole tree)``, the list-of-layers model's, all gathered at the step's start). Its model states are its
+  own table's (``jonebit.transforms.onebit_adam_zero``: the whole local gradient and worker error on every rank,
+  the momentum as packed signs), its working set the gathered parameters.
 
 Next to each, what the memory should be:
 
@@ -188,13 +188,15 @@ def run_model(name: str, mesh, batch: int, seq: int, onebit: bool) -> list[dict]
     add(3, "3 (whole tree)", "adamw", measured, seconds, 2 * 4 * psi, layerwise=False)
     if onebit:
         # The compression phase's own program, as the step runs it after the freeze. Working set beyond the model
-        # states (which count the whole local gradient): at stage 3 the parameters, all gathered at the step's
-        # start (its flat chunks are not gathered layer by layer), so the activations are those of a plain scan.
+        # states (which count the whole local gradient): at stage 3 the parameters outside the stack, gathered at
+        # the step's start, and two of the stack's layers (the one running and the next one's gather), gathered
+        # inside the scan; with the layers as a list, every parameter, gathered at the start.
         compression = ((OneBitAdamZeroState, "compression"),)
         for stage in (1, 2, 3):
             otx = jonebit.onebit_adam_zero(1e-4, freeze_step=1, stage=stage)
             measured, seconds = compiled_step(loss_fn, otx, params, mesh, stage, gbatch, phases=compression)
-            add(stage, str(stage), "onebit_adam", measured, seconds, 4 * psi if stage == 3 else 0, layerwise=False)
+            add(stage, str(stage), "onebit_adam", measured, seconds,
+                4 * (psi_rest + 2 * psi_layer) if stage == 3 else 0)
         otx = jonebit.onebit_adam_zero(1e-4, freeze_step=1, stage=3)
         measured, seconds = compiled_step(whole_loss, otx, whole_params, mesh, 3, gbatch, phases=compression)
         add(3, "3 (whole tree)", "onebit_adam", measured, seconds, 4 * psi, layerwise=False)

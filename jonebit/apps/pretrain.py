@@ -109,16 +109,18 @@ def build_model(name: str, vocab_size: int, seq_len: int, seed: int, dtype=None,
                               scan_layers=scan_layers, rngs=nnx.Rngs(params=seed, dropout=seed + 1))
 
 
-# Optimizers whose update is element-wise: a stacked leaf is the same to them as its layers' tensors. LAMB's trust
-# ratio and the 1-bit optimizers' compression scales are per tensor, and would become per stack.
-ELEMENTWISE_OPTIMIZERS = ("Adam", "AdamW")
+# Optimizers that treat a stacked leaf as its layers' tensors: Adam and AdamW are element-wise, and 1-bit Adam's
+# ZeRO variant gives each layer of a stack a buffer of its own (its own compression scales). LAMB's trust ratio is
+# per tensor and would become per stack.
+STACKABLE_OPTIMIZERS = ("Adam", "AdamW", "OneBitAdam")
 
 
 def stacks_layers(cfg) -> bool:
-    """Whether to build the stacked encoder: ZeRO stage 3 gathers it layer by layer, with an element-wise optimizer
-    (for the others the layers stay separate tensors, and stage 3 gathers them at the step's start)."""
+    """Whether to build the stacked encoder: ZeRO stage 3 gathers it layer by layer, with an optimizer that sees
+    each layer as its own tensor (for the others the layers stay separate tensors, and stage 3 gathers them at the
+    step's start)."""
     return cfg.zero_optimization.stage == 3 and cfg.optimizer is not None and \
-        cfg.optimizer.type in ELEMENTWISE_OPTIMIZERS
+        cfg.optimizer.type in STACKABLE_OPTIMIZERS
 
 
 def make_loss(graphdef, keys, rest):

@@ -299,46 +299,65 @@ def compressed_allreduce_stacked(backend: Backend, xs, groups, worker_stacks, se
     program a concatenation and ``k`` slices per group and step, and takes two arrays per group, not per buffer,
     in and out of it. Same results as :func:`compressed_allreduce_groups`, bit for bit.
     """
-    p = backend.size
     rows = [None] * len(xs) if rows is None else list(rows)
     if len(worker_stacks) != len(groups) or len(server_stacks) != len(groups):
         raise ValueError(f"compressed_allreduce: {len(groups)} groups of buffers but {len(worker_stacks)} worker "
                          f"and {len(server_stacks)} server error stacks")
-    worker = []
-    for idx, we, se in zip(groups, worker_stacks, server_stacks, strict=True):
-        x0, n, n_pad, chunk = _check_buffers(xs[idx[0]], we[0], se[0], p, rows[idx[0]])
-        if tuple(we.shape) != (len(idx), n_pad) or tuple(se.shape) != (len(idx), chunk):
-            raise ValueError(f"compressed_allreduce: a group of {len(idx)} buffers of {n} elements needs error "
-                             f"stacks ({len(idx)}, {n_pad}) and ({len(idx)}, {chunk}), got {tuple(we.shape)} and "
-                             f"{tuple(se.shape)}")
+    x_stacks = []
+    for idx in groups:
+        if jnp.ndim(xs[idx[0]]) != 1:
+            raise ValueError(f"compressed_allreduce expects a 1-D buffer, got shape {jnp.shape(xs[idx[0]])}")
+        n = jnp.shape(xs[idx[0]])[0]
         others = [i for i in idx[1:] if jnp.shape(xs[i]) != (n,) or rows[i] != rows[idx[0]]]
         if others:
             raise ValueError(f"compressed_allreduce: buffer {others[0]} has shape {jnp.shape(xs[others[0]])}, not "
                              f"({n},) like the rest of its group; build the groups with buffer_groups")
-        row = rows[idx[0]]
-        if len(idx) == 1:
+        x_stacks.append(jnp.asarray(xs[idx[0]]) if len(idx) == 1 else
+                        jnp.stack([jnp.asarray(xs[i]).astype(jnp.float32) for i in idx]))
+    out = compressed_allreduce_stacks(backend, x_stacks, worker_stacks, server_stacks,
+                                      [rows[idx[0]] for idx in groups])
+    return [(idx, *o) for idx, o in zip(groups, out, strict=True)]
+
+
+def compressed_allreduce_stacks(backend: Backend, x_stacks, worker_stacks, server_stacks, rows=None):
+    """The core of :func:`compressed_allreduce_stacked`: stack ``g`` is ``k`` buffers of one length, given as a
+    ``(k, n)`` array (or, for ``k = 1``, the buffer itself, ``(n,)``), with error stacks ``(k, n_pad)`` and
+    ``(k, n_pad / P)``; each buffer of a stack is compressed on its own (its own scales). All stacks share one
+    all-to-all and one all-gather. Returns per stack ``(rows (k, P, w), worker (k, n_pad), server (k, C))``.
+    """
+    p = backend.size
+    rows = [None] * len(x_stacks) if rows is None else list(rows)
+    worker = []
+    for x, we, se, row in zip(x_stacks, worker_stacks, server_stacks, rows, strict=True):
+        k = 1 if jnp.ndim(x) == 1 else jnp.shape(x)[0]
+        x0, n, n_pad, chunk = _check_buffers(x if jnp.ndim(x) == 1 else x[0], we[0], se[0], p, row)
+        if tuple(we.shape) != (k, n_pad) or tuple(se.shape) != (k, chunk):
+            raise ValueError(f"compressed_allreduce: a group of {k} buffers of {n} elements needs error "
+                             f"stacks ({k}, {n_pad}) and ({k}, {chunk}), got {tuple(we.shape)} and "
+                             f"{tuple(se.shape)}")
+        if k == 1:
             out, new_we = _worker_rows(x0, n, we[0], p, row)
             worker.append((out[None], new_we[None]))
         else:
-            x = jnp.stack([jnp.asarray(xs[i]).astype(jnp.float32) for i in idx])
+            x = jnp.asarray(x).astype(jnp.float32)
             worker.append(jax.vmap(lambda x, we, n=n, row=row: _worker_rows(x, n, we, p, row))(x, we))
     # (k, P, w) -> (P, k w): the rows of a group side by side, so row j (rank j's) stays one row.
     sent = [jnp.moveaxis(out, 0, 1).reshape(p, -1) for out, _ in worker]
     received = _split_columns(backend.all_to_all(_join_columns(sent)), [(a, None) for a in sent])
     server = []
-    for idx, r, se in zip(groups, received, server_stacks, strict=True):
-        r = jnp.moveaxis(r.reshape(p, len(idx), -1), 1, 0)  # (k, P, w)
-        row = rows[idx[0]]
-        if len(idx) == 1:
-            out, new_se = _server_row(r[0], se[0], p, row)
-            server.append((out[None], new_se[None]))
+    for (out, _), r, se, row in zip(worker, received, server_stacks, rows, strict=True):
+        k = out.shape[0]
+        r = jnp.moveaxis(r.reshape(p, k, -1), 1, 0)  # (k, P, w)
+        if k == 1:
+            o, new_se = _server_row(r[0], se[0], p, row)
+            server.append((o[None], new_se[None]))
         else:
             server.append(jax.vmap(lambda r, se, row=row: _server_row(r, se, p, row))(r, se))
     flat = [row.reshape(-1) for row, _ in server]
     gathered = _split_columns(backend.all_gather(_join_columns(flat)), [(a, None) for a in flat])
     out = []
-    for idx, g, (_, we), (row, se) in zip(groups, gathered, worker, server, strict=True):
-        out.append((idx, jnp.moveaxis(g.reshape(p, len(idx), row.shape[-1]), 1, 0), we, se))  # (k, P, w)
+    for g, (o, we), (row, se) in zip(gathered, worker, server, strict=True):
+        out.append((jnp.moveaxis(g.reshape(p, o.shape[0], row.shape[-1]), 1, 0), we, se))  # (k, P, w)
     return out
 
 

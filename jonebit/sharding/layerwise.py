@@ -31,6 +31,7 @@ from flax import nnx
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from jonebit.comm.backends import as_varying
 from jonebit.comm.quantized_gather import quantized_all_gather
 
 STACKED_KEY = "stacked_layers"
@@ -45,6 +46,23 @@ class _Gathering(NamedTuple):
 
 
 _GATHERING: contextvars.ContextVar[_Gathering | None] = contextvars.ContextVar("jonebit_layerwise", default=None)
+
+
+class FlatLayer(NamedTuple):
+    """One stacked leaf of a 1-bit ZeRO-3 model (:class:`jonebit.train.onebit_zero.FlatParams`): this rank's server
+    chunk of every layer, ``(L, 1, C)``, and one layer's size before padding."""
+
+    chunks: jax.Array
+    size: int
+
+
+class _FlatGathering(NamedTuple):
+    axis: str
+    compute_dtype: Any
+    table: dict  # id of the stacked leaf the loss received -> FlatLayer
+
+
+_FLAT: contextvars.ContextVar[_FlatGathering | None] = contextvars.ContextVar("jonebit_flat_layers", default=None)
 
 
 def _key_name(k) -> str | None:
@@ -98,6 +116,60 @@ def _gather_bwd(axis, dim, compute_dtype, reduce_dtype, quantize, like, ct):
 _gather.defvjp(_gather_fwd, _gather_bwd)
 
 
+@contextlib.contextmanager
+def flat_gathering(axis: str, table: dict, *, compute_dtype=None) -> Iterator[None]:
+    """While tracing a loss inside ``shard_map`` over ``axis`` (1-bit Adam at ZeRO stage 3): the stacked leaves the
+    loss received are zero placeholders of their full shape, and ``table`` maps each (by ``id``) to its
+    :class:`FlatLayer`. :func:`scan_layers` all-gathers each layer's chunks where the layer runs, and the placeholder's
+    gradient is the layer's whole local gradient, which 1-bit compression needs (nothing is reduce-scattered)."""
+    token = _FLAT.set(_FlatGathering(axis, compute_dtype, table))
+    try:
+        yield
+    finally:
+        _FLAT.reset(token)
+
+
+class _FlatMeta(NamedTuple):
+    axis: str
+    size: int  # one layer's elements
+    compute_dtype: Any
+    chunk_shape: tuple
+    chunk_dtype: Any
+    placeholder_dtype: Any
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gather_flat(chunk, placeholder, meta: _FlatMeta):
+    dtype = chunk.dtype if meta.compute_dtype is None else meta.compute_dtype
+    rows = lax.all_gather(chunk.astype(dtype), meta.axis, tiled=True)  # (1, C) per rank -> (P, C)
+    return rows.reshape(-1)[:meta.size].reshape(placeholder.shape)
+
+
+def _gather_flat_fwd(chunk, placeholder, meta):
+    return _gather_flat(chunk, placeholder, meta), None
+
+
+def _gather_flat_bwd(meta, _, ct):
+    # The layer's whole local gradient goes to the placeholder; the chunks get none (1-bit Adam's update reaches
+    # them through its own compressed allreduce, not through autodiff).
+    zero = as_varying(jnp.zeros(meta.chunk_shape, meta.chunk_dtype), meta.axis)
+    return zero, ct.astype(meta.placeholder_dtype)
+
+
+_gather_flat.defvjp(_gather_flat_fwd, _gather_flat_bwd)
+
+
+def _flat_layers(params, how: _FlatGathering):
+    """The :class:`FlatLayer` of every leaf of a stack's parameters, or an error naming the fix."""
+    found = [how.table.get(id(x)) for x in jax.tree.leaves(params)]
+    if not all(found):
+        raise ValueError(
+            "scan_layers under 1-bit Adam at ZeRO stage 3: a stacked parameter reached the model as another array "
+            "than the step passed to the loss (cast, copied or computed inside loss_fn?). Pass the parameters to the "
+            "model unchanged; the step gathers each layer in the compute dtype itself")
+    return found
+
+
 def _gather_layer(params, full, how: _Gathering):
     """Each leaf of one layer's ``params`` whole: all-gathered over the axis on the one dimension where its local
     shape is short of ``full`` (the layer's unpartitioned shapes); leaves already whole pass through."""
@@ -139,10 +211,22 @@ def scan_layers(stack: nnx.Module, x, fn: Callable, *, layer_shapes, remat: bool
     """
     graphdef, params, rest = nnx.split(stack, nnx.Param, ...)
     how = _GATHERING.get()
+    flat = _FLAT.get()
+    chunks = None
+    if flat is not None:
+        layers = _flat_layers(params, flat)
+        chunks = [f.chunks for f in layers]
 
     def body(h, slices):
-        p, r = slices
-        if how is not None:
+        p, r, c = slices
+        if flat is not None:
+            leaves, treedef = jax.tree.flatten(p)
+            p = treedef.unflatten([
+                checkpoint_name(_gather_flat(chunk, x, _FlatMeta(flat.axis, f.size, flat.compute_dtype,
+                                                                 tuple(chunk.shape), chunk.dtype, x.dtype)),
+                                GATHERED_NAME)
+                for x, chunk, f in zip(leaves, c, layers, strict=True)])
+        elif how is not None:
             p = _gather_layer(p, layer_shapes, how)
         layer = nnx.merge(graphdef, p, r)
         h = fn(layer, h)
@@ -150,14 +234,14 @@ def scan_layers(stack: nnx.Module, x, fn: Callable, *, layer_shapes, remat: bool
 
     if remat:
         body = jax.checkpoint(body, prevent_cse=False)
-    elif how is not None:
+    elif how is not None or flat is not None:
         # Keep the matmul outputs for the backward pass, but not the gathered parameters: gathered again there.
         # (Saving everything but the named gathered values keeps values derived from them instead: measured, a
         # stacked copy of every gathered kernel, the whole model again.)
         body = jax.checkpoint(body, prevent_cse=False, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    x, rest = lax.scan(body, x, (params, rest))
+    x, rest = lax.scan(body, x, (params, rest, chunks))
     nnx.update(stack, rest)
     return x
 
 
-__all__ = ["GATHERED_NAME", "STACKED_KEY", "gathering", "is_stacked", "scan_layers"]
+__all__ = ["GATHERED_NAME", "STACKED_KEY", "FlatLayer", "flat_gathering", "gathering", "is_stacked", "scan_layers"]

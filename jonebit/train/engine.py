@@ -59,8 +59,10 @@ from jonebit.sharding.zero import OFFLOAD_MEMORY_KIND, check_stage, leaf_spec, t
 from jonebit.train.onebit_zero import FlatParams, find_onebit_state, onebit_stage
 from jonebit.train.step import (
     RankParams,
+    after_backward,
     apply_optimizer,
     axis_dim,
+    flat_layers_loss,
     gather_shards,
     keep_if,
     layerwise_gathering,
@@ -465,13 +467,13 @@ def make_train_step(
     # The rank id of this device among all data-parallel ranks (MPI processes x local devices), for the rng.
     rank_offset = 0 if mpi is None else mpi.rank * ranks
 
-    def local_grads(local, step_count, scale, batch, uncast=None):
+    def local_grads(local, step_count, scale, batch, uncast=None, fn=loss_fn):
         """This rank's gradient, summed in float32 over the micro-batches and divided by ``k x scale``."""
         rng = None
         if rng_seed is not None:
             rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(int(rng_seed)), step_count),
                                      lax.axis_index(axis) + rank_offset)
-        return local_gradients(loss_fn, local, batch, axis=axis, accumulation_steps=k, compute_dtype=dtype,
+        return local_gradients(fn, local, batch, axis=axis, accumulation_steps=k, compute_dtype=dtype,
                                scale=None if unit_scale else scale, has_aux=has_aux, rng=rng, uncast=uncast)
 
     def loss_metrics(losses, auxes, scale, overflow, grad_norm):
@@ -489,8 +491,10 @@ def make_train_step(
         """Stage 0, and the 1-bit optimizers at every stage: the whole step in the per-device view."""
         # 1-bit ZeRO-3's chunks are gathered in the compute dtype (the cast commutes with the gather).
         local, tx_params, rewrap = local_view(state.params, axis, dtype)
+        fn, uncast = flat_layers_loss(loss_fn, state.params, axis, dtype)
         scale = state.loss_scale.scale
-        grads, losses, auxes = local_grads(local, state.step, scale, batch)
+        grads, losses, auxes = local_grads(local, state.step, scale, batch, uncast, fn)
+        grads, losses, opt_in = after_backward(state.params, grads, losses, state.opt_state)
 
         if grad_reduce == "mean":
             grads = reduce(grads, grad_reduce, axis)
@@ -502,7 +506,7 @@ def make_train_step(
         grad_norm = jnp.sqrt(grad_norm_sq)
         overflow = nonfinite(grad_norm_sq)
 
-        new, new_opt = apply_optimizer(tx, grads, state.opt_state, tx_params)
+        new, new_opt = apply_optimizer(tx, grads, opt_in, tx_params)
         params = keep_if(overflow, state.params, rewrap(new))
         opt_state = keep_if(overflow, state.opt_state, new_opt)
         new = TrainState(

@@ -11,6 +11,7 @@ Normally reached through :func:`jonebit.train.zero.init_zero` and :func:`jonebit
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -33,7 +34,9 @@ P = PartitionSpec
 class FlatParams:
     """Parameters partitioned as the server chunks of a :class:`FlatLayout` (ZeRO stage 3 with 1-bit Adam).
 
-    ``chunks[g]`` is a ``(P, C_g)`` global array sharded over the data axis. :meth:`tree` gives the ordinary
+    ``chunks[g]`` is a ``(P, C_g)`` global array sharded over the data axis (``(P, L, C_g)`` for a stack of ``L``
+    layers: each layer's chunks, gathered one layer at a time by
+    :func:`jonebit.sharding.layerwise.scan_layers`). :meth:`tree` gives the ordinary
     parameter tree (all-gathered), e.g. for evaluation or export.
     """
 
@@ -41,11 +44,18 @@ class FlatParams:
     layout: FlatLayout = dataclasses.field(metadata=dict(static=True))
 
     def tree(self):
-        def whole(c):
-            s = getattr(c, "sharding", None)
-            return jax.sharding.reshard(c, NamedSharding(s.mesh, P())) if isinstance(s, NamedSharding) else c
+        shardings = [getattr(c, "sharding", None) for c in self.chunks]
+        if not all(isinstance(s, NamedSharding) for s in shardings):
+            return self.layout.from_chunks(self.chunks)
+        return _gather_tree(self.layout, tuple(NamedSharding(s.mesh, P()) for s in shardings))(self.chunks)
 
-        return self.layout.from_chunks(tuple(whole(c) for c in self.chunks))
+
+@functools.cache
+def _gather_tree(layout: FlatLayout, whole: tuple):
+    """One program that gathers every chunk and rebuilds the tree. (Gathering the chunks eagerly, one dispatch each,
+    queued so many collective programs at once that XLA:CPU's simulated devices deadlocked: one never joined.)"""
+    return jax.jit(lambda chunks: layout.from_chunks(tuple(
+        jax.sharding.reshard(c, s) for c, s in zip(chunks, whole, strict=True))))
 
 
 def find_onebit_state(local_state):
@@ -128,7 +138,8 @@ def abstract_onebit_zero(tx, params, mesh, *, stage: int, axis: str = "data"):
     sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
     opt_state = jax.tree.map(sds, glob, sh.opt_state)
     if layout is not None:
-        chunks = tuple(jax.ShapeDtypeStruct((layout.world_size, layout.chunk(g)), layout._common_dtype(), sharding=s)
+        dtype = layout._common_dtype()
+        chunks = tuple(jax.ShapeDtypeStruct((layout.world_size, *layout.lead(g), layout.chunk(g)), dtype, sharding=s)
                        for g, s in enumerate(sh.params.chunks))
         return FlatParams(chunks=chunks, layout=layout), opt_state, sh
     return jax.tree.map(sds, params, sh.params), opt_state, sh

@@ -24,14 +24,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jonebit.comm.backends import as_varying
 from jonebit.comm.quantized_gather import quantized_all_gather
-from jonebit.sharding.layerwise import gathering, is_stacked
+from jonebit.sharding.layerwise import FlatLayer, flat_gathering, gathering, is_stacked
 from jonebit.train.onebit_zero import FlatParams
+from jonebit.transforms.onebit_adam_zero import OneBitAdamZeroState
 
 REDUCTIONS = (None, "mean", "mean_bf16")
 
@@ -71,14 +73,78 @@ def local_view(params, axis, compute_dtype=None):
     commutes with the gather and halves its bytes in bf16).
     """
     if isinstance(params, FlatParams):
+        layout = params.layout
         cast = (lambda c: c) if compute_dtype is None else (lambda c: c.astype(compute_dtype))
-        chunks = tuple(lax.all_gather(cast(c), axis, tiled=True) for c in params.chunks)
-        return (params.layout.from_chunks(chunks), params.chunks,
-                lambda new: FlatParams(chunks=tuple(new), layout=params.layout))
+        # Stacks of layers are gathered one layer at a time inside the model (flat_layers_loss); here they are
+        # zero placeholders of their whole shape, which carry their local gradient out of autodiff.
+        chunks = tuple(None if layout.stacked(g) else lax.all_gather(cast(c), axis, tiled=True)
+                       for g, c in enumerate(params.chunks))
+        holders = {i: as_varying(jnp.zeros(layout.shapes[i], layout.dtypes[i]), axis)
+                   for i in layout.stacked_leaves()}
+        local = layout.unflatten(tuple(None if c is None else c.reshape(-1) for c in chunks), given=holders)
+        return local, params.chunks, lambda new: FlatParams(chunks=tuple(new), layout=layout)
     if isinstance(params, RankParams):  # this rank's own copy (already varying over the data axis)
         own = jax.tree.map(lambda x: x[0], params.copies)
         return own, own, lambda new: RankParams(jax.tree.map(lambda x: x[None], new))
     return lax.pcast(params, axis, to="varying"), params, lambda new: new
+
+
+def flat_layers_loss(loss_fn, params, axis: str, compute_dtype=None):
+    """``(loss_fn, uncast)`` for the loss at :func:`local_view`'s ``local``: for 1-bit ZeRO-3 parameters with
+    stacked layers, ``loss_fn`` traced under :func:`jonebit.sharding.layerwise.flat_gathering` (each layer's chunks
+    gathered where :func:`~jonebit.sharding.layerwise.scan_layers` runs it) and ``uncast`` marking the
+    placeholders, which must reach the model as they are; otherwise ``(loss_fn, None)``."""
+    if not isinstance(params, FlatParams) or not params.layout.stacked_leaves():
+        return loss_fn, None
+    layout = params.layout
+    stacks = {idx[0]: FlatLayer(jnp.swapaxes(params.chunks[g], 0, 1), layout.size(g))  # (L, 1, C): scanned
+              for g, idx in enumerate(layout.groups) if layout.stacked(g)}
+    uncast = layout.treedef.unflatten([i in stacks for i in range(len(layout.shapes))])
+
+    def wrapped(p, *args):
+        leaves = jax.tree.leaves(p)
+        # The loops gather each layer's chunks: make them wait for every gather outside the stacks (as
+        # after_backward explains, XLA:CPU would otherwise run those and the loop in either order).
+        zero = _zero_token([x for i, x in enumerate(leaves) if i not in stacks])
+        table = {id(leaves[i]): s._replace(chunks=s.chunks + zero.astype(s.chunks.dtype)) for i, s in stacks.items()}
+        with flat_gathering(axis, table, compute_dtype=compute_dtype):
+            return loss_fn(p, *args)
+
+    return wrapped, uncast
+
+
+def _zero_token(arrays) -> jax.Array:
+    """A float32 zero that depends on every array given (its first element times 0), to order work after them."""
+    firsts = [lax.stop_gradient(jnp.ravel(x)[0]).astype(jnp.float32) for x in arrays if jnp.size(x)]
+    return sum(firsts, jnp.float32(0.0)) * np.float32(0.0)
+
+
+def after_backward(params, grads, losses, opt_state):
+    """``(grads, losses, opt_state)``, made to depend on the whole backward pass, for 1-bit ZeRO-3 with stacked
+    layers; otherwise as they are.
+
+    There the forward and backward passes are loops whose bodies all-gather a layer each, and XLA:CPU runs a loop
+    and an independent collective outside it concurrently, in either order: seen, seven simulated devices waiting in
+    a layer's all-gather and one in the reduce-scatter of a gradient of the heads above the stack (ready before the
+    backward loop starts), each side waiting for the other. Every collective the optimizer and the loss metric issue
+    reads these values, so adding a zero computed from the stack's gradients (the backward loop's outputs) orders
+    them all after the loop on every device. The values are unchanged (``x + 0``); nothing waits that 1-bit
+    compression would not wait for anyway (it needs the whole local gradient)."""
+    if not (isinstance(params, FlatParams) and params.layout.stacked_leaves()):
+        return grads, losses, opt_state
+    layout = params.layout
+    leaves = jax.tree.leaves(grads)
+    stacked = set(layout.stacked_leaves())
+    zero = _zero_token([leaves[i] for i in stacked])
+    grads = layout.treedef.unflatten([x if i in stacked else x + zero.astype(x.dtype) for i, x in enumerate(leaves)])
+
+    def state(s):
+        if isinstance(s, OneBitAdamZeroState):  # its first compression step all-gathers the momentum chunks
+            return dataclasses.replace(s, mu=tuple(m + zero for m in s.mu))
+        return s
+
+    opt_state = jax.tree.map(state, opt_state, is_leaf=lambda s: isinstance(s, OneBitAdamZeroState))
+    return grads, losses + zero.astype(losses.dtype), opt_state
 
 
 def local_gradients(loss_fn, local, batch, *, axis, accumulation_steps: int = 1, compute_dtype=None, scale=None,

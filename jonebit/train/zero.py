@@ -58,7 +58,9 @@ from jonebit.train.onebit_zero import (
     uses_onebit,
 )
 from jonebit.train.step import (
+    after_backward,
     apply_optimizer,
+    flat_layers_loss,
     gather_shards,
     keep_if,
     layerwise_gathering,
@@ -322,10 +324,12 @@ def _make_onebit_step(loss_fn, tx, mesh, shardings: ZeroShardings, batch_spec, d
 
     def body(params, opt_state, batch):
         local, tx_params, rewrap = local_view(params, axis)
-        grads, losses, _ = local_gradients(loss_fn, local, batch, axis=axis)
+        fn, uncast = flat_layers_loss(loss_fn, params, axis)
+        grads, losses, _ = local_gradients(fn, local, batch, axis=axis, uncast=uncast)
+        grads, losses, opt_in = after_backward(params, grads, losses, opt_state)
         # Each rank holds only its local gradient: one scalar reduction makes the flag the same on every rank.
         bad = nonfinite(lax.pmean(norm_sq(grads), axis))
-        new, new_state = apply_optimizer(tx, grads, opt_state, tx_params)
+        new, new_state = apply_optimizer(tx, grads, opt_in, tx_params)
         return (keep_if(bad, params, rewrap(new)), keep_if(bad, opt_state, new_state),
                 lax.pmean(losses[0], axis))
 

@@ -47,7 +47,14 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jonebit.comm.backends import as_varying, get_backend
-from jonebit.comm.compressed import _SCALE_BYTES, compressed_allreduce_rows_many, decode_rows, padded_size
+from jonebit.comm.compressed import (
+    _SCALE_BYTES,
+    buffer_groups,
+    compressed_allreduce_stacks,
+    decode_rows,
+    padded_size,
+)
+from jonebit.sharding.layerwise import is_stacked
 from jonebit.transforms.base import (
     ScalarOrSchedule,
     check_bool,
@@ -72,8 +79,14 @@ WARMUP, FIRST_COMPRESSION, COMPRESSION = range(3)
 class FlatLayout:
     """How a param tree maps to flat, padded buffers: one per leaf (``fused=False``) or one in all (``fused=True``).
 
-    Buffer ``i`` holds ``sizes[i]`` values (the leaves of ``groups[i]`` raveled and concatenated), zero-padded to
-    ``padded_size(sizes[i], world_size)``; its server chunk ``r`` is ``[r C_i, (r + 1) C_i)``.
+    Buffer ``g`` holds ``size(g)`` values (the leaves of ``groups[g]`` raveled and concatenated), zero-padded to
+    ``padded(g) = padded_size(size(g), world_size)``; its server chunk ``r`` is ``[r C_g, (r + 1) C_g)``.
+
+    A leaf of stacked layers (under :data:`jonebit.sharding.layerwise.STACKED_KEY`, a leading layer axis of
+    ``layers[g] = L``) is, with ``fused=False``, a stack of ``L`` such buffers, one per layer: each layer has its own
+    compression scales and chunks, as the same model with its layers unstacked would, while the buffers stay one
+    ``(L, ...)`` array (one array per stack through the optimizer, and at stage 3 the chunks
+    :func:`jonebit.sharding.layerwise.scan_layers` gathers one layer at a time). ``size(g)`` is then one layer's.
     """
 
     treedef: Any
@@ -81,15 +94,31 @@ class FlatLayout:
     dtypes: tuple
     groups: tuple  # tuple of tuples of leaf indices
     world_size: int
+    layers: tuple = ()  # per buffer: 0, or the layer count of a stacked leaf's buffers
 
     @classmethod
     def of(cls, tree, world_size: int, fused: bool) -> FlatLayout:
-        leaves, treedef = jax.tree.flatten(tree)
+        with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        leaves = [x for _, x in with_path]
         groups = (tuple(range(len(leaves))),) if fused else tuple((i,) for i in range(len(leaves)))
+        layers = (0,) if fused else tuple(
+            int(x.shape[0]) if is_stacked(path) and len(x.shape) > 1 and x.shape[0] > 0 else 0
+            for path, x in with_path)
         return cls(treedef=treedef, shapes=tuple(tuple(x.shape) for x in leaves),
-                   dtypes=tuple(jnp.dtype(x.dtype) for x in leaves), groups=groups, world_size=int(world_size))
+                   dtypes=tuple(jnp.dtype(x.dtype) for x in leaves), groups=groups, world_size=int(world_size),
+                   layers=layers)
+
+    def stacked(self, g: int) -> bool:
+        """Whether buffer ``g`` is a stack of per-layer buffers (arrays with a leading layer axis)."""
+        return bool(self.layers and self.layers[g])
+
+    def stacked_leaves(self) -> tuple:
+        """The leaves kept as stacks of per-layer buffers, in order."""
+        return tuple(idx[0] for g, idx in enumerate(self.groups) if self.stacked(g))
 
     def size(self, g: int) -> int:
+        if self.stacked(g):
+            return math.prod(self.shapes[self.groups[g][0]][1:])
         return sum(max(math.prod(self.shapes[i]), 0) for i in self.groups[g])
 
     def padded(self, g: int) -> int:
@@ -98,21 +127,37 @@ class FlatLayout:
     def chunk(self, g: int) -> int:
         return self.padded(g) // self.world_size
 
+    def lead(self, g: int) -> tuple:
+        """The leading shape of buffer ``g``'s arrays: ``(L,)`` for a stack of layers, else ``()``."""
+        return (self.layers[g],) if self.stacked(g) else ()
+
     def flatten(self, tree, dtype=jnp.float32) -> tuple:
-        """Tuple of flat buffers, each zero-padded to ``padded(g)``."""
+        """Tuple of flat buffers, each zero-padded to ``padded(g)`` (``(L, padded(g))`` for a stack of layers)."""
         leaves = jax.tree.leaves(tree)
         out = []
         for g, idx in enumerate(self.groups):
-            parts = [jnp.ravel(leaves[i]).astype(dtype) for i in idx]
-            flat = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-            flat = jnp.pad(flat, (0, self.padded(g) - flat.shape[0]))
-            out.append(flat)
+            if self.stacked(g):
+                flat = leaves[idx[0]].reshape(self.layers[g], -1).astype(dtype)
+            else:
+                parts = [jnp.ravel(leaves[i]).astype(dtype) for i in idx]
+                flat = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+            pad = [(0, 0)] * (flat.ndim - 1) + [(0, self.padded(g) - flat.shape[-1])]
+            out.append(jnp.pad(flat, pad))
         return tuple(out)
 
-    def unflatten(self, bufs):
-        """Tree from flat buffers (padded or not), leaves cast back to their dtypes."""
+    def unflatten(self, bufs, given=None):
+        """Tree from flat buffers (padded or not), leaves cast back to their dtypes.
+
+        ``given``: ``{leaf: array}`` for leaves not rebuilt from ``bufs`` (their buffers may then be None).
+        """
+        given = {} if given is None else given
         leaves = [None] * len(self.shapes)
         for g, idx in enumerate(self.groups):
+            if self.stacked(g):
+                i = idx[0]
+                leaves[i] = given[i] if i in given else \
+                    bufs[g][:, :self.size(g)].reshape(self.shapes[i]).astype(self.dtypes[i])
+                continue
             offset = 0
             for i in idx:
                 n = math.prod(self.shapes[i])
@@ -122,12 +167,19 @@ class FlatLayout:
         return self.treedef.unflatten(leaves)
 
     def to_chunks(self, tree) -> tuple:
-        """Global view: ``(P, C_g)`` arrays, row ``r`` = server chunk ``r`` (shard them with ``P(axis)``)."""
-        return tuple(b.reshape(self.world_size, -1) for b in self.flatten(tree, dtype=self._common_dtype()))
+        """Global view: ``(P, C_g)`` arrays (``(P, L, C_g)`` for a stack of layers), row ``r`` = server chunk ``r``
+        (of every layer); shard them with ``P(axis)``."""
+        out = []
+        for g, b in enumerate(self.flatten(tree, dtype=self._common_dtype())):
+            out.append(jnp.swapaxes(b.reshape(self.layers[g], self.world_size, -1), 0, 1) if self.stacked(g)
+                       else b.reshape(self.world_size, -1))
+        return tuple(out)
 
     def from_chunks(self, chunks):
         """Inverse of :meth:`to_chunks` (global view, or the all-gathered rows inside shard_map)."""
-        return self.unflatten(tuple(c.reshape(-1) for c in chunks))
+        return self.unflatten(tuple(
+            jnp.swapaxes(c, 0, 1).reshape(self.layers[g], -1) if self.stacked(g) else c.reshape(-1)
+            for g, c in enumerate(chunks)))
 
     def _common_dtype(self):
         return jnp.result_type(*self.dtypes) if self.dtypes else jnp.float32
@@ -147,7 +199,8 @@ def check_flat_dtypes(layout: FlatLayout) -> None:
 class OneBitAdamZeroState:
     """State of :func:`onebit_adam_zero` (per-device view).
 
-    Per buffer ``g`` of the :class:`FlatLayout` (chunk ``C_g``, padded length ``N_g``):
+    Per buffer ``g`` of the :class:`FlatLayout` (chunk ``C_g``, padded length ``N_g``; a stack of ``L`` layers'
+    buffers has an ``L`` axis after the leading ``1``, or first where there is none: ``(1, L, C_g)``, ``(L, N_g)``):
 
     Attributes:
       count: updates applied so far.
@@ -196,16 +249,17 @@ def phase_at(count, freeze_step: int) -> jax.Array:
 
 def init_zero_state(layout: FlatLayout, stage: int, freeze_step: int | None = None) -> OneBitAdamZeroState:
     p = layout.world_size
-    n = len(layout.groups)
+    n = range(len(layout.groups))
     z = lambda *shape: jnp.zeros(shape, jnp.float32)  # noqa: E731
+    lead = layout.lead
     return OneBitAdamZeroState(
         count=jnp.zeros([], jnp.int32),
-        mu=tuple(z(1, layout.chunk(g)) for g in range(n)),
-        nu=tuple(z(1, layout.chunk(g)) for g in range(n)),
-        nu_full=tuple(z(layout.padded(g)) for g in range(n)) if stage in (1, 2) else (),
-        m_rows=tuple(jnp.zeros((p, layout.chunk(g) // 8 + _SCALE_BYTES), jnp.uint8) for g in range(n)),
-        worker_error=tuple(z(1, layout.padded(g)) for g in range(n)),
-        server_error=tuple(z(1, layout.chunk(g)) for g in range(n)),
+        mu=tuple(z(1, *lead(g), layout.chunk(g)) for g in n),
+        nu=tuple(z(1, *lead(g), layout.chunk(g)) for g in n),
+        nu_full=tuple(z(*lead(g), layout.padded(g)) for g in n) if stage in (1, 2) else (),
+        m_rows=tuple(jnp.zeros((*lead(g), p, layout.chunk(g) // 8 + _SCALE_BYTES), jnp.uint8) for g in n),
+        worker_error=tuple(z(1, *lead(g), layout.padded(g)) for g in n),
+        server_error=tuple(z(1, *lead(g), layout.chunk(g)) for g in n),
         phase=jnp.zeros([], jnp.int32),
         next_phase=None if freeze_step is None else phase_at(jnp.zeros([], jnp.int32), freeze_step),
         stage=stage,
@@ -233,6 +287,9 @@ def zero_update(
 
     ``grads``: this rank's local gradient tree. ``params``: the full tree (stages 1, 2) or this rank's ``(1, C_g)``
     chunks (stage 3). Returns ``(updates, new_state)``, updates shaped like ``params``.
+
+    Every buffer's arithmetic runs on its last axis, so a stack of layers' buffers (a leading ``L`` axis) is the
+    same computation per layer; only its compression and decoding are batched explicitly (:func:`_decode`).
     """
     axis = backend.axis_name
     p = backend.size
@@ -243,7 +300,7 @@ def zero_update(
         p_chunk = tuple(c[0].astype(jnp.float32) for c in params)
     else:
         p_flat = layout.flatten(params)
-        p_chunk = tuple(lax.dynamic_slice_in_dim(p_flat[g], r * layout.chunk(g), layout.chunk(g))
+        p_chunk = tuple(lax.dynamic_slice_in_dim(p_flat[g], r * layout.chunk(g), layout.chunk(g), axis=-1)
                         for g in range(ngroups))
     valid = tuple((r * layout.chunk(g) + jnp.arange(layout.chunk(g))) < layout.size(g) for g in range(ngroups))
 
@@ -258,14 +315,20 @@ def zero_update(
         return -lr * u
 
     def chunk_of(x, g):
-        return lax.dynamic_slice_in_dim(x, r * layout.chunk(g), layout.chunk(g))
+        return lax.dynamic_slice_in_dim(x, r * layout.chunk(g), layout.chunk(g), axis=-1)
 
     def masked(x, g, chunk=False):
         """``x`` times the mask of buffer ``g`` (whole, cut to ``x``'s length, or this rank's chunk)."""
         if mask_bufs is None or mask_bufs[g] is None:
             return x
         k = mask_bufs[g]()
-        return x * (chunk_of(k, g) if chunk else k[:x.shape[0]])
+        return x * (chunk_of(k, g) if chunk else k[..., :x.shape[-1]])
+
+    def decode(rows, g, n=None):
+        """:func:`decode_rows` of buffer ``g``'s rows, per layer for a stack of layers."""
+        if layout.stacked(g):
+            return jax.vmap(lambda x: decode_rows(x, n))(rows)
+        return decode_rows(rows, n)
 
     def finish(u_chunks, u_full):
         """Updates shaped like params: chunks (stage 3) or a tree (stages 1, 2)."""
@@ -286,7 +349,7 @@ def zero_update(
             # Every stage reduce-scatters: stage 1 keeps no gradient partition between steps, but within the step
             # each rank needs only its chunk of the mean, and with the all-gather below this moves stage 0's bytes
             # (an all-reduce then a slice would move 1.5 times as many).
-            gc = lax.psum_scatter(g_flat[g], axis, scatter_dimension=0, tiled=True) / p
+            gc = lax.psum_scatter(g_flat[g], axis, scatter_dimension=g_flat[g].ndim - 1, tiled=True) / p
             m = b1 * mu[g][0] + (1.0 - b1) * gc
             v = b2 * nu[g][0] + (1.0 - b2) * gc * gc
             new_mu.append(m[None])
@@ -294,8 +357,8 @@ def zero_update(
             u_chunks.append(direction(m, v, p_chunk[g]))
         u_full = None
         if stage != 3:  # replicated params: everyone needs every updated chunk (ZeRO-1/2's all-gather)
-            u_full = tuple(lax.all_gather(jnp.where(valid[g], u_chunks[g], 0.0), axis, tiled=True,
-                                          to="invarying") for g in range(ngroups))
+            u_full = tuple(lax.all_gather(jnp.where(valid[g], u_chunks[g], 0.0), axis, axis=u_chunks[g].ndim - 1,
+                                          tiled=True, to="invarying") for g in range(ngroups))
         return finish(u_chunks, u_full), (tuple(new_mu), tuple(new_nu), nu_full, m_rows, we, se)
 
     def compression(first: bool):
@@ -304,25 +367,26 @@ def zero_update(
             for g in range(ngroups):
                 n = layout.size(g)
                 if first:  # the momentum is still float32 chunks: gather it once
-                    m_prev = lax.all_gather(mu[g][0], axis, tiled=True)[:n]
+                    m_prev = lax.all_gather(mu[g][0], axis, axis=mu[g].ndim - 2, tiled=True)[..., :n]
                 else:
-                    m_prev = masked(decode_rows(m_rows[g], n), g)
-                xs.append(b1 * m_prev + (1.0 - b1) * g_flat[g][:n])
-            # One compressed allreduce per buffer, all sharing one all-to-all and one all-gather.
-            new_rows, new_we, new_se = compressed_allreduce_rows_many(
-                backend, xs, [e[0] for e in we], [e[0] for e in se])
+                    m_prev = masked(decode(m_rows[g], g, n), g)
+                xs.append(b1 * m_prev + (1.0 - b1) * g_flat[g][..., :n])
+            # One compressed allreduce per buffer (per layer of a stack), all sharing one all-to-all and one
+            # all-gather.
+            new_rows, new_we, new_se = _compressed_allreduce(backend, layout, xs, we, se)
             new_mu, new_nfull, u_chunks, u_full = [], [], [], []
             for g, rows in enumerate(new_rows):
-                m_own = masked(decode_rows(lax.dynamic_index_in_dim(rows, r, keepdims=False)), g, chunk=True)
+                m_own = masked(decode(lax.dynamic_index_in_dim(rows, r, axis=rows.ndim - 2, keepdims=False), g),
+                               g, chunk=True)
                 new_mu.append(m_own[None])
                 if stage == 3:
                     u_chunks.append(direction(m_own, nu[g][0], p_chunk[g]))
                 else:
-                    v_full = lax.all_gather(nu[g][0], axis, tiled=True, to="invarying") if first else nu_full[g]
+                    v_full = lax.all_gather(nu[g][0], axis, axis=nu[g].ndim - 2, tiled=True, to="invarying") \
+                        if first else nu_full[g]
                     new_nfull.append(v_full)
-                    m_full = masked(decode_rows(rows), g)
+                    m_full = masked(decode(rows, g), g)
                     u_full.append(direction(m_full, v_full, p_flat[g]))
-            new_we, new_se = tuple(e[None] for e in new_we), tuple(e[None] for e in new_se)
             nf = tuple(new_nfull) if stage != 3 else nu_full
             return finish(u_chunks, tuple(u_full)), (tuple(new_mu), nu, nf, tuple(new_rows), tuple(new_we),
                                                      tuple(new_se))
@@ -342,6 +406,32 @@ def zero_update(
     return updates, new_state
 
 
+def _compressed_allreduce(backend, layout: FlatLayout, xs, worker_errors, server_errors):
+    """The compressed allreduce of every buffer: ``(rows, worker errors, server errors)``, per buffer as the state
+    holds them (``(P, w)``, ``(1, N)``, ``(1, C)``; a stack of layers with its ``L`` axis: ``(L, P, w)``,
+    ``(1, L, N)``, ``(1, L, C)``). Single buffers of equal length are compressed as one batch
+    (:func:`jonebit.comm.compressed.compressed_allreduce_rows_many`); a stack of layers is its own batch, as it is."""
+    singles = [g for g in range(len(xs)) if not layout.stacked(g)]
+    stacks = [g for g in range(len(xs)) if layout.stacked(g)]
+    groups = [[singles[j] for j in idx] for idx in buffer_groups([layout.size(g) for g in singles])] + \
+        [[g] for g in stacks]
+    x_stacks = [xs[idx[0]] if len(idx) == 1 else jnp.stack(
+        [xs[g].astype(jnp.float32) for g in idx]) for idx in groups]
+    w_stacks = [worker_errors[idx[0]][0] if layout.stacked(idx[0]) else jnp.stack([worker_errors[g][0] for g in idx])
+                for idx in groups]
+    s_stacks = [server_errors[idx[0]][0] if layout.stacked(idx[0]) else jnp.stack([server_errors[g][0] for g in idx])
+                for idx in groups]
+    out = compressed_allreduce_stacks(backend, x_stacks, w_stacks, s_stacks)
+    rows, worker, server = [None] * len(xs), [None] * len(xs), [None] * len(xs)
+    for idx, (r, w, s) in zip(groups, out, strict=True):
+        if layout.stacked(idx[0]):
+            rows[idx[0]], worker[idx[0]], server[idx[0]] = r, w[None], s[None]
+            continue
+        for j, g in enumerate(idx):
+            rows[g], worker[g], server[g] = r[j], w[j][None], s[j][None]
+    return rows, worker, server
+
+
 def flat_mask(mask_leaves, layout: FlatLayout):
     """The momentum mask of each flat buffer, or None when nothing is masked.
 
@@ -358,8 +448,12 @@ def flat_mask(mask_leaves, layout: FlatLayout):
     if mask_leaves is None:
         return None
 
-    def builder(idx, padded):
+    def builder(g, idx, padded):
         def build():
+            if layout.stacked(g):  # (L, padded): every layer's own mask
+                i = idx[0]
+                flat = jnp.broadcast_to(jnp.asarray(mask_leaves[i]), layout.shapes[i]).reshape(layout.layers[g], -1)
+                return jnp.pad(flat, ((0, 0), (0, padded - flat.shape[-1])))
             parts = [jnp.ones(math.prod(layout.shapes[i]), jnp.float32) if mask_leaves[i] is None
                      else jnp.broadcast_to(jnp.asarray(mask_leaves[i]), layout.shapes[i]).ravel() for i in idx]
             flat = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
@@ -367,7 +461,7 @@ def flat_mask(mask_leaves, layout: FlatLayout):
 
         return build
 
-    out = tuple(None if all(mask_leaves[i] is None for i in idx) else builder(idx, layout.padded(g))
+    out = tuple(None if all(mask_leaves[i] is None for i in idx) else builder(g, idx, layout.padded(g))
                 for g, idx in enumerate(layout.groups))
     return None if all(b is None for b in out) else out
 
@@ -459,7 +553,7 @@ def onebit_adam_zero(
         if stage != 3:
             check_matching_grads(grads, params, "params", WHO)
         # The state's chunks follow the layout of the tree given to init: a different gradient tree shows here.
-        want = tuple((1, layout.chunk(g)) for g in range(len(layout.groups)))
+        want = tuple((1, *layout.lead(g), layout.chunk(g)) for g in range(len(layout.groups)))
         have = tuple(tuple(m.shape) for m in state.mu)
         if want != have:
             raise ValueError(
