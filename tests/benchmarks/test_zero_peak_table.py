@@ -1,6 +1,7 @@
 """The compiled-peak table of benchmarks/BENCHMARKS.md is its result file's, and the file holds what the text
 claims: stage 3 at most half of stage 2's peak for the 24-layer model, within 15% of the model states plus one
-gathered layer plus the activations; 1-bit Adam within a few percent of its own model states."""
+gathered layer plus the activations; 1-bit Adam within 1% of its own model states at stages 1-2, and at stage 3
+below its whole-tree gather."""
 
 import json
 import math
@@ -47,19 +48,22 @@ def test_the_result_file_holds_the_claims():
     b0, l0 = adamw["base", "0"]["copied"], adamw["large", "0"]["copied"]
     assert f"the program copies {b0:,.0f} MB of its arguments for base and {l0:,.0f} MB for large: 8Ψ" in " ".join(
         (ROOT / "benchmarks" / "BENCHMARKS.md").read_text().split())
-    # 1-bit Adam: within the stated margins of its own model states (+ the gathered tree at stage 3).
+    # 1-bit Adam: stages 1 and 2 within 1% of its own model states; stage 3 (the stacks gathered layer by layer)
+    # below the list of layers gathered whole, its distance from its formula quoted as measured.
     onebit = {(x["model"], x["variant"]): x for x in rows if x["optimizer"] == "onebit_adam"}
     text = " ".join((ROOT / "benchmarks" / "BENCHMARKS.md").read_text().split())
-    for model, margin in (("base", 0.03), ("large", 0.06)):
-        assert abs(onebit[model, "1"]["ratio"] - 1) <= margin and abs(onebit[model, "2"]["ratio"] - 1) <= margin
-        assert abs(onebit[model, "3"]["ratio"] - 1) <= 0.03
+    for model in ("base", "large"):
+        assert abs(onebit[model, "1"]["ratio"] - 1) <= 0.01 and abs(onebit[model, "2"]["ratio"] - 1) <= 0.01
+        assert onebit[model, "3"]["peak"] < onebit[model, "3 (whole tree)"]["peak"]
     b, lg = onebit["base", "3"]["peak"], onebit["large", "3"]["peak"]
     bw, lw = onebit["base", "3 (whole tree)"]["peak"], onebit["large", "3 (whole tree)"]["peak"]
-    quote = (f"({b / onebit['base', '2']['peak']:.2f}x and {lg / onebit['large', '2']['peak']:.2f}x of its stage 2)."
-             f" Its stage 3 gathers its flat parameter chunks whole at the step's start, for the stacked model "
-             f"({b:,.0f} MB for base, {lg:,.0f} MB for large) as for the list of layers "
-             f"({bw:,.0f} and {lw:,.0f} MB)")
+    quote = (f"Its stage 3 gathers the stacked layers one at a time inside the scan: {b:,.0f} MB for base and "
+             f"{lg:,.0f} MB for large against {bw:,.0f} and {lw:,.0f} MB for the list of layers gathered whole "
+             f"({b / onebit['base', '2']['peak']:.2f}x and {lg / onebit['large', '2']['peak']:.2f}x of its stage 2)")
     assert quote in text, quote
+    over = (f"by {onebit['base', '3']['ratio']:.2f}x and {onebit['large', '3']['ratio']:.2f}x "
+            f"({b - onebit['base', '3']['expected']:,.0f} and {lg - onebit['large', '3']['expected']:,.0f} MB)")
+    assert over in text, over
 
 
 def test_the_guides_quote_the_result_file():
