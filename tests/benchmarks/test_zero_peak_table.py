@@ -64,6 +64,11 @@ def test_the_result_file_holds_the_claims():
     over = (f"by {onebit['base', '3']['ratio']:.2f}x and {onebit['large', '3']['ratio']:.2f}x "
             f"({b - onebit['base', '3']['expected']:,.0f} and {lg - onebit['large', '3']['expected']:,.0f} MB)")
     assert over in text, over
+    # "the model states plus 4Ψ to within 1%" (one float32 momentum's worth above the states)
+    for model in ("base", "large"):
+        x = onebit[model, "3"]
+        assert abs(x["peak"] - (x["states"] + 4 * x["psi"] / 1e6)) <= 0.01 * x["peak"], (model, x["peak"])
+    assert "Its peak is the model states plus 4Ψ to within 1% for both models" in text
 
 
 def test_the_guides_quote_the_result_file():
