@@ -25,6 +25,7 @@ from jonebit.models.bert import BertConfig, BertForPreTraining, pretraining_loss
 from jonebit.sharding.layerwise import STACKED_KEY
 from jonebit.train.zero import abstract_zero, init_zero, make_zero_step
 from jonebit.transforms.onebit_adam_zero import FlatLayout, OneBitAdamZeroState
+from tests.train.test_onebit_zero import mirrored_steps
 from tests.train.test_zero_layerwise import CONFIG, N, batch, mesh
 
 FREEZE = 3
@@ -127,14 +128,7 @@ def _assert_same_update(before_want, after_want, before_got, after_got, what: st
         if leaf in ZERO_GRADIENT:
             continue
         u_want, u_got = w1 - w0 + LR * WEIGHT_DECAY * w0, g1 - g0 + LR * WEIGHT_DECAY * g0
-        moved = np.abs(u_want) > 2e-6
-        assert moved.mean() > 0.9, f"{what}, leaf {leaf}: the compression step left most coordinates in place"
-        rho = np.median(np.abs(u_got[moved]) / np.abs(u_want[moved]))
-        assert abs(rho - 1) <= 1e-3, f"{what}, leaf {leaf}: scale ratio {rho}"
-        tol = 2e-6 + 1e-2 * np.abs(u_want)
-        same, mirrored = np.abs(u_got - u_want) <= tol, np.abs(u_got + u_want) <= tol
-        assert np.all(same | mirrored), f"{what}, leaf {leaf}: {np.sum(~(same | mirrored))} coordinates differ"
-        flipped += int(np.sum(mirrored & ~same))
+        flipped += mirrored_steps(u_want, u_got, floor=2e-6, what=f"{what}, leaf {leaf}")
         total += u_want.size
     return flipped, total
 
@@ -203,25 +197,15 @@ def test_engine_at_stage_3_with_bf16_resumes_exactly(tmp_path):
     :func:`jonebit.train.initialize.initialize` on the stacked model: the stacks stay per-layer chunks with a layer
     axis; stopped after a checkpoint at the freeze and resumed in a new engine (other initial parameters, so only
     the checkpoint can make it end alike), the run's compression steps end bit-identical to an uninterrupted run."""
-    from jonebit.train.initialize import initialize
     from jonebit.train.onebit_zero import FlatParams
-    from tests.train.test_zero_layerwise import B, _Batches, _parts
+    from tests.train.test_zero_layerwise import B, _parts, straight_and_resumed
 
     cfg = {"train_batch_size": B, "bf16": {"enabled": True},
            "optimizer": {"type": "OneBitAdam", "params": {"lr": LR, "freeze_step": 2}},
            "zero_optimization": {"stage": 3}}
     loss_fn, params = _parts()
 
-    def train(out, max_steps, seed=0):
-        start = params if seed == 0 else jax.tree.map(lambda x: x + 0.01, params)
-        engine = initialize(cfg, loss_fn, start, mesh=mesh())
-        loop = engine.loop_config(out, max_steps=max_steps, progress_bar=False, tensorboard=False,
-                                  checkpoint_every=2)
-        return engine.train(_Batches(), loop)
-
-    straight = train(tmp_path / "straight", 4)
-    train(tmp_path / "resumed", 2)
-    resumed = train(tmp_path / "resumed", 4, seed=1)
+    straight, resumed = straight_and_resumed(cfg, loss_fn, params, tmp_path)
     for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert isinstance(resumed.params, FlatParams)

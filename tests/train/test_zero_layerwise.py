@@ -275,6 +275,19 @@ def test_initialize_at_stage_3_resumes_exactly(tmp_path):
            "zero_optimization": {"stage": 3}}
     loss_fn, params = _parts()
 
+    straight, resumed = straight_and_resumed(cfg, loss_fn, params, tmp_path)
+    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert a.sharding == b.sharding
+    kernel = resumed.params["bert"]["encoder"][STACKED_KEY]["intermediate"]["dense"]["kernel"]
+    assert tuple(kernel.sharding.spec) == (None, None, "data")
+
+
+def straight_and_resumed(cfg: dict, loss_fn, params, tmp_path):
+    """The engine's final states of a 4-step run straight through, and of one stopped after a checkpoint at step 2
+    and resumed in a new engine from other initial parameters (only the restored checkpoint can make it end like the
+    straight one)."""
+
     def train(out, max_steps, seed=0):
         start = params if seed == 0 else jax.tree.map(lambda x: x + 0.01, params)
         engine = initialize(cfg, loss_fn, start, mesh=mesh())
@@ -284,13 +297,7 @@ def test_initialize_at_stage_3_resumes_exactly(tmp_path):
 
     straight = train(tmp_path / "straight", 4)
     train(tmp_path / "resumed", 2)
-    # Other initial parameters: only the restored checkpoint can make this run end like the straight one.
-    resumed = train(tmp_path / "resumed", 4, seed=1)
-    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        assert a.sharding == b.sharding
-    kernel = resumed.params["bert"]["encoder"][STACKED_KEY]["intermediate"]["dense"]["kernel"]
-    assert tuple(kernel.sharding.spec) == (None, None, "data")
+    return straight, train(tmp_path / "resumed", 4, seed=1)
 
 
 class _Batches:
