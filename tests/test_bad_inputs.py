@@ -172,6 +172,18 @@ def restore_as_bf16(tmp_path):
     return ckpt.restore(tmp_path / "run", {"w": jnp.ones((4, 3), jnp.bfloat16)})
 
 
+def onebit_stage3_loss_that_rebuilds_the_stack():
+    """1-bit Adam at stage 3 on a stacked BERT whose loss rebuilds the stacked parameters before the model."""
+    from tests.train.test_onebit_zero_layerwise import CONFIG, _model_parts, tx
+    from tests.train.test_zero_layerwise import batch as bert_batch
+    from tests.train.test_zero_layerwise import mesh as bert_mesh
+
+    loss, params = _model_parts(CONFIG, scan=True)
+    p, s, sh = init_zero(tx(), jax.device_get(params), bert_mesh(), stage=3)
+    step = make_zero_step(lambda q, b: loss(jax.tree.map(lambda x: x * 1.0, q), b), tx(), bert_mesh(), sh)
+    return step(p, s, bert_batch(0))
+
+
 def config_with_schedule(**params):
     from jonebit.train.config import load_config
 
@@ -264,6 +276,9 @@ CASES = [
                  r"divisible by the 8 devices of mesh axis 'data'"),
     ("zero-step-scalar-leaf", lambda _: call_zero_step({**batch(), "y": np.float32(0.0)}, stage=3),
      ValueError, r"make_zero_step's step: batch\['y'\] has shape \(\) but the batch layout"),
+    ("zero-onebit-stage3-stack-rebuilt", lambda _: onebit_stage3_loss_that_rebuilds_the_stack(),
+     ValueError, r"scan_layers under 1-bit Adam at ZeRO stage 3: a stacked parameter reached the model as another "
+                 r"array than the step passed to the loss .* Pass the parameters to the model unchanged"),
     ("zero_shardings-stage", lambda _: zero_shardings(mesh(), params0(), None, stage=4),
      ValueError, r"ZeRO stage must be one of \[0, 1, 2, 3\], got 4"),
     ("zero_shardings-axis", lambda _: zero_shardings(mesh(), params0(), None, stage=1, axis="dp"),
