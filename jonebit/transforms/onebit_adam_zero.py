@@ -417,11 +417,12 @@ def _compressed_allreduce(backend, layout: FlatLayout, xs, worker_errors, server
         [[g] for g in stacks]
     x_stacks = [xs[idx[0]] if len(idx) == 1 else jnp.stack(
         [xs[g].astype(jnp.float32) for g in idx]) for idx in groups]
-    w_stacks = [worker_errors[idx[0]][0] if layout.stacked(idx[0]) else jnp.stack([worker_errors[g][0] for g in idx])
-                for idx in groups]
-    s_stacks = [server_errors[idx[0]][0] if layout.stacked(idx[0]) else jnp.stack([server_errors[g][0] for g in idx])
-                for idx in groups]
-    out = compressed_allreduce_stacks(backend, x_stacks, w_stacks, s_stacks)
+
+    def stack(errors, idx):  # a group's error buffers as one (k, ...) array (a stack of layers already is one)
+        return errors[idx[0]][0] if layout.stacked(idx[0]) else jnp.stack([errors[g][0] for g in idx])
+
+    out = compressed_allreduce_stacks(backend, x_stacks, [stack(worker_errors, idx) for idx in groups],
+                                      [stack(server_errors, idx) for idx in groups])
     rows, worker, server = [None] * len(xs), [None] * len(xs), [None] * len(xs)
     for idx, (r, w, s) in zip(groups, out, strict=True):
         if layout.stacked(idx[0]):
