@@ -12,12 +12,12 @@ import pytest
 from jonebit.apps.pretrain import embedded_corpus
 from jonebit.data.pretraining import iter_texts
 from jonebit.data.tokenization import train_wordpiece
-from tests.mpi_util import HANG_GUARD, ROOT
+from tests.mpi_util import ROOT, SUITE_FLAGS
 
 
 def _run(argv, tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {HANG_GUARD}")
+               XLA_FLAGS=" ".join(["--xla_force_host_platform_device_count=8", *SUITE_FLAGS]))
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "pretrain_bert.py"), *argv], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
 

@@ -21,12 +21,12 @@
 * **non-finite steps**: the engine skips them on every rank; ``nonfinite="raise"`` stops the run instead, with
   the step number (checked every step, which costs one device-to-host sync per step).
 
-``bytes_sent`` is this rank's collective traffic for the step, read once from the compiled programs
-(:mod:`jonebit.comm.accounting`): the engine's own collectives plus the optimizer's collectives of the stage the
-step ran in (1-bit optimizers: the phase their state names, e.g. ``"warmup"`` or ``"compression"``; other
-optimizers: ``"full"``; skipped steps: ``"skipped"``). It is NaN under MPI and with
-0/1 Adam, whose variance, 1-bit, local and sync steps the loop does not tell apart (``benchmarks/family_bytes.py``
-has their bytes).
+``bytes_sent`` is this rank's collective traffic for the step, read once per compiled program from its HLO
+(:mod:`jonebit.comm.accounting`): the engine's own collectives plus the optimizer's in the phase the step ran (1-bit
+optimizers compile one program per phase, e.g. ``"warmup"`` or ``"compression"``, the ``stage`` of the record;
+other optimizers: ``"full"``). A skipped step sends what its program sends (the skip is a select after the update).
+It is NaN under MPI and with 0/1 Adam, whose variance, 1-bit, local and sync steps the loop does not tell apart
+(``benchmarks/family_bytes.py`` has their bytes).
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from typing import Any, Protocol
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from jonebit.train.engine import TrainState
 from jonebit.train.schedules import bad_learning_rate, check_schedule, lr_problem
@@ -300,16 +299,45 @@ def _dtypes(tree) -> dict[str, str]:
             for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def _stage_bytes(step, state: TrainState, batch) -> dict[str, float]:
-    """This rank's collective bytes per stage, read from the compiled programs."""
-    from jonebit.comm.accounting import comm_report
+class _Traffic:
+    """This rank's collective bytes per step, read from the HLO of the compiled program that runs the step, once per
+    program. A program compiled for one phase (the engine's default with the 1-bit optimizers) and the step of any
+    other optimizer send what the program holds outside conditionals, every step. Only the single program with
+    every phase as a branch (``per_phase=False``) needs the optimizer's update compiled alone, which tells its
+    branches apart by phase."""
 
-    compiled = getattr(step, "compiled", None)
-    if compiled is None:
-        return {}
-    mesh = jax.tree.leaves(state.params)[0].sharding.mesh
-    report = comm_report(compiled(state, batch).as_text(), mesh.size)
-    # The engine's own collectives run every step; the optimizer's phases are the branches of its update.
+    def __init__(self, step):
+        self.step = step
+        self.counts = getattr(step, "counts_bytes", True) and getattr(step, "compiled", None) is not None
+        self.known: dict[int, tuple[Any, float | dict[str, float]]] = {}
+
+    def before_step(self, state: TrainState, batch) -> int | None:
+        """Reads the traffic of the program the next step runs (before the step donates ``state``); its key."""
+        if not self.counts:
+            return None
+        program = self.step.compiled(state, batch)
+        if id(program) not in self.known:
+            from jonebit.comm.accounting import comm_report
+
+            mesh = jax.tree.leaves(state.params)[0].sharding.mesh
+            report = comm_report(program.as_text(), mesh.size)
+            if not any(c for cond in report.branches for branch in cond for c in branch):
+                value = report.always_bytes
+            else:
+                value = _phase_bytes(self.step, report, state)
+            self.known[id(program)] = (program, value)  # the program kept: its id stays its own
+        return id(program)
+
+    def sent(self, key: int | None, stage: str) -> float:
+        """The bytes of the step whose program :meth:`before_step` returned ``key``, recorded as ``stage``."""
+        if key is None:
+            return math.nan
+        value = self.known[key][1]
+        return float(value.get(stage, value.get("full", math.nan))) if isinstance(value, dict) else value
+
+
+def _phase_bytes(step, report, state: TrainState) -> dict[str, float]:
+    """Bytes per phase of a program whose optimizer runs its phases as the branches of a conditional."""
     base = report.always_bytes
     out = {"skipped": base, "full": base}
     tx_report = getattr(step, "tx_report", None)
@@ -317,13 +345,7 @@ def _stage_bytes(step, state: TrainState, batch) -> dict[str, float]:
         tx_report = tx_report(state)
         names = phase_names(state.opt_state)
         if names is not None and tx_report.branches:
-            by_phase = tx_report.phase_bytes(names)
-            # A program compiled for one phase (``per_phase``) holds that phase's collectives unconditionally.
-            running = step.phases_of(state) if hasattr(step, "phases_of") else None
-            if running is not None and len(running) == 1:
-                base -= by_phase[running[0][1]]
-                out["skipped"] = out["full"] = base
-            out.update({name: base + sent for name, sent in by_phase.items()})
+            out.update({name: base + sent for name, sent in tx_report.phase_bytes(names).items()})
         out["full"] = base + tx_report.always_bytes
     return out
 
@@ -447,29 +469,29 @@ def train(
             from tqdm.auto import tqdm
 
             bar = tqdm(total=config.max_steps, initial=start, unit="step", dynamic_ncols=True)
-        stage_bytes = None
+        traffic = _Traffic(step)
         t_last, examples, logged = time.perf_counter(), 0, start
         for i in range(start, config.max_steps):
             batch = next(batches)
-            if stage_bytes is None:  # the step says when its traffic cannot be read (MPI, 0/1 Adam): NaN
-                stage_bytes = {} if not getattr(step, "counts_bytes", True) else _stage_bytes(
-                    step, state, jax.device_put(batch, _batch_sharding(state)))
+            n = i + 1
+            evaluating = evaluate is not None and (n == config.max_steps or (
+                config.eval_every and n % config.eval_every == 0))
+            logging_step = n % config.log_every == 0 or n == config.max_steps or evaluating
+            if logging_step:  # the program this step runs, and the state it starts from, give its traffic
+                program = traffic.before_step(state, batch)
             examples += len(next(iter(jax.tree.leaves(batch))))
             state, metrics = step(state, batch)
-            n = i + 1
             if config.nonfinite == "raise" and bool(metrics["skipped"]):
                 ckpt.wait()
                 raise NonFiniteStep(
                     f"step {n}: a rank's gradient held an inf or a NaN (the step was not applied). With "
                     "nonfinite='skip' such steps are skipped and counted instead"
                 )
-            evaluating = evaluate is not None and (n == config.max_steps or (
-                config.eval_every and n % config.eval_every == 0))
-            if n % config.log_every == 0 or n == config.max_steps or evaluating:
+            if logging_step:
                 jax.block_until_ready(metrics)  # dispatch is asynchronous: time the finished steps, not their launch
                 elapsed = max(time.perf_counter() - t_last, 1e-9)
-                record = _record(n, state, metrics, config, lr_schedule, stage_bytes, examples / elapsed,
-                                 elapsed / (n - logged))
+                record = _record(n, state, metrics, config, lr_schedule, examples / elapsed, elapsed / (n - logged))
+                record["bytes_sent"] = traffic.sent(program, record["stage"])
                 if evaluating:
                     t_eval = time.perf_counter()
                     record.update({f"eval/{k}": float(v) for k, v in evaluate(state).items()})
@@ -551,11 +573,6 @@ def _compare_run_configs(saved: dict, new: dict, fixed, where: pathlib.Path, lea
         print(f"warning: {msg}", flush=True)
 
 
-def _batch_sharding(state: TrainState):
-    mesh = jax.tree.leaves(state.params)[0].sharding.mesh
-    return jax.NamedSharding(mesh, P(mesh.axis_names[0]))
-
-
 def _truncate_metrics(path: pathlib.Path, step: int) -> None:
     """Drops lines past ``step`` (written after the checkpoint a resumed run starts from)."""
     if not path.exists():
@@ -571,7 +588,7 @@ def _truncate_metrics(path: pathlib.Path, step: int) -> None:
     path.write_text("".join(k + "\n" for k in keep))
 
 
-def _record(n, state, metrics, config, lr_schedule, stage_bytes, examples_per_s, seconds_per_step) -> dict:
+def _record(n, state, metrics, config, lr_schedule, examples_per_s, seconds_per_step) -> dict:
     m = jax.device_get(metrics)
     skipped = bool(m["skipped"])
     count = int(jax.device_get(state.step - state.skipped)) - (0 if skipped else 1)  # updates before this step
@@ -592,7 +609,7 @@ def _record(n, state, metrics, config, lr_schedule, stage_bytes, examples_per_s,
         "skipped": skipped,
         "grad_norm": float(m["grad_norm"]),
         "stage": stage,
-        "bytes_sent": float(stage_bytes.get(stage, stage_bytes.get("full", math.nan))) if stage_bytes else math.nan,
+        "bytes_sent": math.nan,  # filled in by the loop, which knows the program that ran the step
         "tokens_per_s": examples_per_s * config.tokens_per_example,
         "seconds": seconds_per_step,
     }
