@@ -669,7 +669,7 @@ class OneBitAdam(_OneBitMixin, OptimizerOptions):
             return onebit_adam_zero(
                 learning_rate, freeze_step=self.freeze_step - 1, stage=stage, b1=b1, b2=b2, eps=self.eps,
                 weight_decay=self.weight_decay, exp_avg_mask=options.get("exp_avg_mask"),
-                bias_correction=self.bias_correction, fused=options["fused"],
+                bias_correction=self.bias_correction, fused=options["fused"], mask_unseen=self.mask_unseen,
                 axis_name=options.get("axis_name", "data"),
             )
         return onebit_adam(

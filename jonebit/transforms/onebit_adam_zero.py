@@ -32,6 +32,9 @@ stage  params  grads   momentum            variance         worker  server
 1, 2   4Ψ      4Ψ      4Ψ/N + Ψ/8          4Ψ + 4Ψ/N        4Ψ      4Ψ/N
 3      4Ψ/N    4Ψ      4Ψ/N + Ψ/8          4Ψ/N             4Ψ      4Ψ/N
 =====  ======  ======  ==================  ===============  ======  =========
+
+With ``mask_unseen`` (the default) stage 3 also keeps one bit per element of where the frozen variance is > 0
+(Ψ/8, replicated; stages 1 and 2 read it from their whole variance), gathered once at the first compression step.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from jonebit.comm.compressed import (
     decode_rows,
     padded_size,
 )
+from jonebit.comm.packing import pack_signs, unpack_rows
 from jonebit.sharding.layerwise import is_stacked
 from jonebit.transforms.base import (
     ScalarOrSchedule,
@@ -209,6 +213,9 @@ class OneBitAdamZeroState:
       nu_full: stages 1, 2: ``(N_g,)`` float32, the whole frozen variance (zeros during warmup); stage 3: ``()``.
       m_rows: ``(P, C_g / 8 + 4)`` uint8, the synchronised momentum as packed signs and per-chunk scales
         (replicated; valid from the first compression step on).
+      seen: stage 3 with ``mask_unseen``: ``(N_g / 8,)`` uint8, one bit per element, set where the frozen
+        variance is > 0 (replicated; gathered at the first compression step); else ``()`` (stages 1, 2 read
+        ``nu_full``).
       worker_error: ``(1, N_g)`` float32, this rank's worker error.
       server_error: ``(1, C_g)`` float32, this rank's server error.
       phase: the phase the last update ran, an index into :data:`PHASES` (int32).
@@ -225,6 +232,7 @@ class OneBitAdamZeroState:
     worker_error: tuple
     server_error: tuple
     phase: jax.Array
+    seen: tuple = ()
     next_phase: Any = None
     stage: int = dataclasses.field(default=1, metadata=dict(static=True))
 
@@ -237,7 +245,7 @@ def zero_state_specs(state: OneBitAdamZeroState, axis_name: str) -> OneBitAdamZe
     return OneBitAdamZeroState(
         count=P(), mu=rows(state.mu), nu=rows(state.nu), nu_full=rep(state.nu_full), m_rows=rep(state.m_rows),
         worker_error=rows(state.worker_error), server_error=rows(state.server_error), phase=P(),
-        next_phase=None if state.next_phase is None else P(), stage=state.stage,
+        seen=rep(state.seen), next_phase=None if state.next_phase is None else P(), stage=state.stage,
     )
 
 
@@ -247,7 +255,8 @@ def phase_at(count, freeze_step: int) -> jax.Array:
                      jnp.where(count == freeze_step, FIRST_COMPRESSION, COMPRESSION)).astype(jnp.int32)
 
 
-def init_zero_state(layout: FlatLayout, stage: int, freeze_step: int | None = None) -> OneBitAdamZeroState:
+def init_zero_state(layout: FlatLayout, stage: int, freeze_step: int | None = None,
+                    mask_unseen: bool = True) -> OneBitAdamZeroState:
     p = layout.world_size
     n = range(len(layout.groups))
     z = lambda *shape: jnp.zeros(shape, jnp.float32)  # noqa: E731
@@ -261,6 +270,8 @@ def init_zero_state(layout: FlatLayout, stage: int, freeze_step: int | None = No
         worker_error=tuple(z(1, *lead(g), layout.padded(g)) for g in n),
         server_error=tuple(z(1, *lead(g), layout.chunk(g)) for g in n),
         phase=jnp.zeros([], jnp.int32),
+        seen=tuple(jnp.zeros((*lead(g), layout.padded(g) // 8), jnp.uint8) for g in n)
+        if stage == 3 and mask_unseen else (),
         next_phase=None if freeze_step is None else phase_at(jnp.zeros([], jnp.int32), freeze_step),
         stage=stage,
     )
@@ -282,6 +293,7 @@ def step_scalars(count, *, b1, b2, freeze_step: int, bias_correction: bool, lear
 def zero_update(
     *, backend, layout: FlatLayout, stage: int, freeze_step: int, b1, b2, eps, weight_decay, decays: bool,
     mask_bufs, bias_correction: bool, learning_rate, grads, state: OneBitAdamZeroState, params,
+    mask_unseen: bool = True,
 ):
     """One 1-bit Adam update with ZeRO partitioning (per-device view, inside shard_map over the data axis).
 
@@ -290,6 +302,10 @@ def zero_update(
 
     Every buffer's arithmetic runs on its last axis, so a stack of layers' buffers (a leading ``L`` axis) is the
     same computation per layer; only its compression and decoding are batched explicitly (:func:`_decode`).
+
+    ``mask_unseen`` (as :func:`jonebit.onebit_adam`'s): in the compression phases an element whose frozen variance is
+    exactly 0 (no gradient reached it during warmup) keeps a zero momentum, on the worker side (the decoded
+    momentum it compensates) and in the update (which then is weight decay alone).
     """
     axis = backend.axis_name
     p = backend.size
@@ -341,7 +357,20 @@ def zero_update(
 
     mu, nu = varying(state.mu), varying(state.nu)
     we, se = varying(state.worker_error), varying(state.server_error)
-    nu_full, m_rows = state.nu_full, state.m_rows
+    nu_full, m_rows, seen = state.nu_full, state.m_rows, state.seen
+
+    def seen_bits(g):
+        """Buffer ``g``'s packed bits of ``v > 0``, gathered from every rank's variance chunk (stage 3)."""
+        v = nu[g][0]
+        bits = pack_signs(jnp.where(v > 0, 1.0, -1.0).reshape(-1)).reshape(*v.shape[:-1], -1)
+        return lax.all_gather(bits, axis, axis=bits.ndim - 1, tiled=True, to="invarying")
+
+    def seen_whole(g, n):
+        """Where buffer ``g``'s first ``n`` elements have a frozen variance > 0 (after the first compression)."""
+        if stage == 3:
+            signs = unpack_rows(seen[g])
+            return signs.reshape(*signs.shape[:-2], -1)[..., :n] > 0
+        return nu_full[g][..., :n] > 0
 
     def warmup(_):
         new_mu, new_nu, u_chunks = [], [], []
@@ -359,17 +388,19 @@ def zero_update(
         if stage != 3:  # replicated params: everyone needs every updated chunk (ZeRO-1/2's all-gather)
             u_full = tuple(lax.all_gather(jnp.where(valid[g], u_chunks[g], 0.0), axis, axis=u_chunks[g].ndim - 1,
                                           tiled=True, to="invarying") for g in range(ngroups))
-        return finish(u_chunks, u_full), (tuple(new_mu), tuple(new_nu), nu_full, m_rows, we, se)
+        return finish(u_chunks, u_full), (tuple(new_mu), tuple(new_nu), nu_full, m_rows, we, se, seen)
 
     def compression(first: bool):
         def branch(_):
             xs = []
             for g in range(ngroups):
                 n = layout.size(g)
-                if first:  # the momentum is still float32 chunks: gather it once
+                if first:  # the momentum is still float32 chunks: gather it once (no gradient: exactly 0)
                     m_prev = lax.all_gather(mu[g][0], axis, axis=mu[g].ndim - 2, tiled=True)[..., :n]
                 else:
                     m_prev = masked(decode(m_rows[g], g, n), g)
+                    if mask_unseen:
+                        m_prev = jnp.where(seen_whole(g, n), m_prev, 0.0)
                 xs.append(b1 * m_prev + (1.0 - b1) * g_flat[g][..., :n])
             # One compressed allreduce per buffer (per layer of a stack), all sharing one all-to-all and one
             # all-gather.
@@ -378,6 +409,8 @@ def zero_update(
             for g, rows in enumerate(new_rows):
                 m_own = masked(decode(lax.dynamic_index_in_dim(rows, r, axis=rows.ndim - 2, keepdims=False), g),
                                g, chunk=True)
+                if mask_unseen:
+                    m_own = jnp.where(nu[g][0] > 0, m_own, 0.0)
                 new_mu.append(m_own[None])
                 if stage == 3:
                     u_chunks.append(direction(m_own, nu[g][0], p_chunk[g]))
@@ -386,21 +419,24 @@ def zero_update(
                         if first else nu_full[g]
                     new_nfull.append(v_full)
                     m_full = masked(decode(rows, g), g)
+                    if mask_unseen:
+                        m_full = jnp.where(v_full > 0, m_full, 0.0)
                     u_full.append(direction(m_full, v_full, p_flat[g]))
             nf = tuple(new_nfull) if stage != 3 else nu_full
+            new_seen = tuple(seen_bits(g) for g in range(ngroups)) if first and seen else seen
             return finish(u_chunks, tuple(u_full)), (tuple(new_mu), nu, nf, tuple(new_rows), tuple(new_we),
-                                                     tuple(new_se))
+                                                     tuple(new_se), new_seen)
 
         return branch
 
-    (updates, (mu, nu, nu_full, m_rows, we, se)), phase = run_phase(
+    (updates, (mu, nu, nu_full, m_rows, we, se, seen)), phase = run_phase(
         OneBitAdamZeroState, phase_at(count, freeze_step), (warmup, compression(True), compression(False)))
     if stage == 3:
         updates = tuple(u.astype(c.dtype) for u, c in zip(updates, params, strict=True))
     new_count = optax.safe_int32_increment(count)
     new_state = OneBitAdamZeroState(
         count=new_count, mu=mu, nu=nu, nu_full=nu_full, m_rows=m_rows, worker_error=we, server_error=se,
-        phase=phase.astype(jnp.int32),
+        phase=phase.astype(jnp.int32), seen=seen,
         next_phase=None if state.next_phase is None else phase_at(new_count, freeze_step), stage=stage,
     )
     return updates, new_state
@@ -482,13 +518,13 @@ def onebit_adam_zero(
     exp_avg_mask: Any = None,
     bias_correction: bool = True,
     fused: bool = False,
+    mask_unseen: bool = True,
     axis_name: str = "data",
 ) -> optax.GradientTransformation:
     """1-bit Adam with its state partitioned over the ranks of ``axis_name`` (ZeRO ``stage`` 1, 2 or 3).
 
     The same algorithm as :func:`jonebit.onebit_adam` (see the module docstring for which buffers each stage
-    partitions and what it costs), with DeepSpeed's arithmetic for elements no gradient has reached (no
-    ``mask_unseen``), over a single ``jax.shard_map`` axis. Build the step with
+    partitions and what it costs), over a single ``jax.shard_map`` axis. Build the step with
     :func:`jonebit.train.zero.make_zero_step` (or the engine's ``zero_optimization.stage``); clip the local gradient
     in front if needed: ``optax.chain(optax.clip_by_global_norm(norm), onebit_adam_zero(...))``.
 
@@ -505,6 +541,11 @@ def onebit_adam_zero(
       exp_avg_mask: as :func:`jonebit.onebit_adam`'s.
       bias_correction: Adam's bias correction (the variance's frozen with it); ``False`` is DeepSpeed's.
       fused: one flat buffer for all leaves (``True``) or one per leaf (``False``).
+      mask_unseen: as :func:`jonebit.onebit_adam`'s: in the compression phases elements whose frozen variance is
+        exactly 0 (no gradient reached them during warmup, e.g. embedding rows of tokens not yet seen) keep a zero
+        momentum and get no update but weight decay (default). ``False`` is DeepSpeed's arithmetic, which divides
+        their share of the 1-bit average by ``eps``. At stage 3 it keeps one bit per element (``N / 8`` bytes,
+        replicated), gathered once at the first compression step.
       axis_name: the data-parallel mesh axis (at least 2 ranks).
     """
     if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
@@ -521,6 +562,7 @@ def onebit_adam_zero(
     check_scalar(WHO, "weight_decay", weight_decay, low=0.0)
     check_bool(WHO, "bias_correction", bias_correction)
     check_bool(WHO, "fused", fused)
+    check_bool(WHO, "mask_unseen", mask_unseen)
     if not isinstance(axis_name, str):
         raise TypeError(f"{WHO}: axis_name must be the data axis of a shard_map mesh (str), got {axis_name!r}")
     exp_avg_mask = normalise_mask(exp_avg_mask, WHO)
@@ -542,7 +584,7 @@ def onebit_adam_zero(
         layout = FlatLayout.of(params, backend_of().size, fused)
         if stage == 3:
             check_flat_dtypes(layout)
-        return init_zero_state(layout, stage, freeze_step)
+        return init_zero_state(layout, stage, freeze_step, mask_unseen)
 
     def update_fn(grads, state, params=None):
         if params is None:
@@ -566,6 +608,7 @@ def onebit_adam_zero(
             backend=backend, layout=layout, stage=stage, freeze_step=freeze_step, b1=b1, b2=b2, eps=eps,
             weight_decay=weight_decay, decays=decays, mask_bufs=flat_mask(mask, layout),
             bias_correction=bias_correction, learning_rate=learning_rate, grads=grads, state=state, params=params,
+            mask_unseen=mask_unseen,
         )
 
     return optax.GradientTransformation(init_fn, update_fn)
