@@ -66,8 +66,9 @@ STATES = {0: "16Ψ", 1: "8Ψ + 8Ψ/N", 2: "4Ψ + 12Ψ/N", 3: "16Ψ/N"}
 
 
 # 1-bit Adam's ZeRO variant (jonebit.transforms.onebit_adam_zero's table): the whole local gradient and worker
-# error on every rank, the synchronised momentum as packed signs (Ψ/8), the rest partitioned.
-ONEBIT_STATES = {1: "16Ψ + 12Ψ/N + Ψ/8", 2: "16Ψ + 12Ψ/N + Ψ/8", 3: "8Ψ + 16Ψ/N + Ψ/8"}
+# error on every rank, the synchronised momentum as packed signs (Ψ/8), the rest partitioned; at stage 3 also
+# mask_unseen's bit per element of where the frozen variance is > 0 (Ψ/8).
+ONEBIT_STATES = {1: "16Ψ + 12Ψ/N + Ψ/8", 2: "16Ψ + 12Ψ/N + Ψ/8", 3: "8Ψ + 16Ψ/N + Ψ/4"}
 
 
 def model_states(stage: int, psi: int, n: int) -> float:
@@ -75,7 +76,8 @@ def model_states(stage: int, psi: int, n: int) -> float:
 
 
 def onebit_states(stage: int, psi: int, n: int) -> float:
-    return {1: 16 * psi + 12 * psi / n, 2: 16 * psi + 12 * psi / n, 3: 8 * psi + 16 * psi / n}[stage] + psi / 8
+    return {1: 16 * psi + 12 * psi / n, 2: 16 * psi + 12 * psi / n, 3: 8 * psi + 16 * psi / n + psi / 8}[stage] \
+        + psi / 8
 
 
 def bert(config: BertConfig, scan: bool):
