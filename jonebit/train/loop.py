@@ -24,7 +24,8 @@
 ``bytes_sent`` is this rank's collective traffic for the step, read once per compiled program from its HLO
 (:mod:`jonebit.comm.accounting`): the engine's own collectives plus the optimizer's in the phase the step ran (1-bit
 optimizers compile one program per phase, e.g. ``"warmup"`` or ``"compression"``, the ``stage`` of the record;
-other optimizers: ``"full"``). A skipped step sends what its program sends (the skip is a select after the update).
+other optimizers: ``"full"``). A skipped step sends what its program sends (the skip is a select after the update;
+the one program with every phase, ``per_phase=False``, reports only the engine's own bytes for it).
 It is NaN under MPI and with 0/1 Adam, whose variance, 1-bit, local and sync steps the loop does not tell apart
 (``benchmarks/family_bytes.py`` has their bytes).
 """
