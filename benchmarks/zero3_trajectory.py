@@ -125,12 +125,12 @@ def main(argv=None) -> int:
     ap.add_argument("--freeze", type=int, default=5, help="1-bit Adam's warmup steps (jonebit's freeze_step)")
     args = ap.parse_args(argv)
     batches = _batches(args.steps)
+    start = _flat(_as_list(_model(stacked=True)[1], _config().num_hidden_layers))
     cases = []
     for optimizer in OPTIMIZERS:
         for precision in PRECISIONS:
             runs = {arm: _run(optimizer, precision, arm, args.steps, args.freeze, batches) for arm in ARMS}
             ref, ref_losses = runs["stage0"]
-            start = _flat(_as_list(_model(stacked=True)[1], _config().num_hidden_layers))
             case = {"optimizer": optimizer, "precision": precision,
                     "moved_rms": float(np.sqrt(np.mean((ref[-1] - start) ** 2))),
                     "moved_max": float(np.max(np.abs(ref[-1] - start))), "arms": {}}

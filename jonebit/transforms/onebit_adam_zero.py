@@ -70,6 +70,7 @@ from jonebit.transforms.base import (
     is_number,
     mask_leaves,
     normalise_mask,
+    where_seen,
 )
 from jonebit.transforms.phases import run_phase
 
@@ -410,7 +411,7 @@ def zero_update(
                 m_own = masked(decode(lax.dynamic_index_in_dim(rows, r, axis=rows.ndim - 2, keepdims=False), g),
                                g, chunk=True)
                 if mask_unseen:
-                    m_own = jnp.where(nu[g][0] > 0, m_own, 0.0)
+                    m_own = where_seen(m_own, nu[g][0])
                 new_mu.append(m_own[None])
                 if stage == 3:
                     u_chunks.append(direction(m_own, nu[g][0], p_chunk[g]))
@@ -420,7 +421,7 @@ def zero_update(
                     new_nfull.append(v_full)
                     m_full = masked(decode(rows, g), g)
                     if mask_unseen:
-                        m_full = jnp.where(v_full > 0, m_full, 0.0)
+                        m_full = where_seen(m_full, v_full)
                     u_full.append(direction(m_full, v_full, p_flat[g]))
             nf = tuple(new_nfull) if stage != 3 else nu_full
             new_seen = tuple(seen_bits(g) for g in range(ngroups)) if first and seen else seen

@@ -106,28 +106,18 @@ def test_each_stacked_leaf_is_a_stack_of_per_layer_buffers():
         np.testing.assert_array_equal(a, b)
 
 
-def _zero_gradient_leaves() -> frozenset:
-    """Leaves whose gradient is zero by construction: a key bias adds the same amount to every score of a query
-    (``q . b_k``), which the softmax removes. Their updates are rounding noise in both programs."""
-    _, stacked = _model_parts(CONFIG, scan=True)
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(stacked)]
-    return frozenset(i for i, p in enumerate(paths) if "['key']['bias']" in p)
+# The stacked model's leaf paths, in the order of the trees the tests compare.
+PATHS = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(_model_parts(CONFIG, scan=True)[1])]
 
+# Leaves whose gradient is zero by construction: a key bias adds the same amount to every score of a query
+# (``q . b_k``), which the softmax removes. Their updates are rounding noise in both programs.
+ZERO_GRADIENT = frozenset(i for i, p in enumerate(PATHS) if "['key']['bias']" in p)
 
-ZERO_GRADIENT = _zero_gradient_leaves()
-
-
-def _seen_rows() -> dict:
-    """The rows of the leaves with rows no gradient reaches: positions past the batches' length, the token-type
-    embedding's second row (they pass no token types). ``mask_unseen`` leaves the others to weight decay in both
-    programs: there is no sign part to compare."""
-    _, stacked = _model_parts(CONFIG, scan=True)
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(stacked)]
-    rows = {"position_embeddings": slice(0, S), "token_type_embeddings": slice(0, 1)}
-    return {i: rows[k] for i, p in enumerate(paths) for k in rows if k in p}
-
-
-SEEN_ROWS = _seen_rows()
+# The rows of the leaves with rows no gradient reaches: positions past the batches' length, the token-type
+# embedding's second row (they pass no token types). ``mask_unseen`` leaves the others to weight decay in both
+# programs: there is no sign part to compare.
+_ROWS = {"position_embeddings": slice(0, S), "token_type_embeddings": slice(0, 1)}
+SEEN_ROWS = {i: _ROWS[k] for i, p in enumerate(PATHS) for k in _ROWS if k in p}
 
 
 def _assert_same_update(before_want, after_want, before_got, after_got, what: str) -> tuple[int, int]:
