@@ -10,8 +10,9 @@ it), e.g. ``rank 1 exited with code 4``; the others are stopped (SIGTERM, then S
 failed once it has exited: under ``jax.distributed`` leave with ``sys.exit(n)`` or an exception, which
 ``initialize_distributed`` turns into an immediate exit, not ``raise SystemExit(n)``, which waits in jax's
 shutdown barrier (``shutdown_timeout``, 30 s) until the peers abort. Such a rank leaves a note when it starts
-to exit (``JONEBIT_LAUNCH_EXIT_DIR``), so when a peer then fails the launcher names it as the root cause; a peer
-that fails on a timeout while another rank has long been silent names that rank. The log ends with the root cause:
+to exit (``JONEBIT_LAUNCH_EXIT_DIR``), so when a peer then fails (or it fails itself, in that barrier) the launcher
+names it as the root cause; a peer that fails on a timeout while another rank has long been silent names that
+rank. The log ends with the root cause:
 the other ranks' state, the first failing rank's own last stderr lines, and one ``root cause:`` line.
 
 Lifetime: every process runs in its own process group; SIGINT (Ctrl-C), SIGTERM and SIGHUP sent to the launcher
@@ -373,6 +374,13 @@ def _failure(ranks: Sequence[_Rank], failed: _Rank, code: int, exit_dir: str | N
                  f"ran, and waited in jax's shutdown barrier: rank {failed.rank}'s failure most likely follows from "
                  f"it. A rank that leaves early (its own code is not visible: `raise SystemExit(n)` instead of "
                  f"`sys.exit(n)`, or a normal end on that rank only) leaves its peers waiting in a collective.")
+        return _Failure(failed, code, words, others)
+    if failed.rank in notes and notes[failed.rank] < now:
+        # It began to exit while its peers ran and failed in jax's shutdown barrier: a peer that has been silent
+        # since (waiting for it in a collective) is a consequence, not the cause.
+        words = (f"rank {failed.rank} began to exit {now - notes[failed.rank]:.1f}s before it failed, while its "
+                 f"peers still ran, and failed waiting in jax's shutdown barrier: a rank that leaves early leaves "
+                 f"its peers waiting in a collective.")
         return _Failure(failed, code, words, others)
     timed_out = any(w in line for line in failed.err_tail for w in _TIMEOUT_WORDS)
     if timed_out and silent_longest is not None and silent_longest[0] >= _SILENT_SUSPECT:

@@ -84,7 +84,9 @@ def main() -> None:
 
         from jonebit.sharding.mesh import data_mesh, initialize_distributed
 
-        initialize_distributed(timeout=60, heartbeat_timeout=10)
+        # A rank that leaves waits in jax's shutdown barrier up to shutdown_timeout: 120 s, far beyond the 30 s
+        # after which its peer's collective times out, so which of the two fails first does not depend on load.
+        initialize_distributed(timeout=60, heartbeat_timeout=10, shutdown_timeout=120)
         print("initialized", flush=True)
         mesh = data_mesh()  # every process must join: creating the backend exchanges device topologies
         print("mesh ready", flush=True)

@@ -364,8 +364,9 @@ def test_jax_rank_exit_code_is_named_at_once(job_dir):
 def test_the_rank_that_left_or_hung_is_named_not_its_peer(job_dir):
     """Rank 1 leaves with ``raise SystemExit(4)`` (its code is not visible before jax's shutdown barrier, so it
     waits there) in one job, and hangs in another, while rank 0 waits for it in a psum; in both rank 0 is the first
-    process to fail (jax's 30 s collective timeout). The launcher still names rank 1 as the root cause, on the last
-    line. (The two jobs run at once: each spends its time waiting.)"""
+    process to fail (jax's 30 s collective timeout; the worker's shutdown barrier waits 120 s, so the order does not
+    depend on load). The launcher still names rank 1 as the root cause, on the last line. (The two jobs run at
+    once: each spends its time waiting.)"""
     runs = {}
     for how, args in (("raise", ["raise", "4"]), ("hang", ["hang"])):
         (job_dir / how).mkdir()
@@ -487,3 +488,27 @@ def test_child_whose_launcher_died_before_prctl_ends_itself(job_dir):
     (pid,) = read_pids(job_dir, ["child.pid"], timeout=20)
     assert still_alive_after([pid], str(job_dir), 120) == []  # gone: whatever it wrote is on disk by now
     assert not (job_dir / "survived").exists()
+
+
+def test_a_rank_that_began_to_exit_and_then_timed_out_is_the_root_cause_not_its_silent_peer(tmp_path):
+    """Rank 1 began to exit 20 s ago (its exit note) and has now failed on a timeout in jax's shutdown barrier,
+    while rank 0, waiting for it in a collective, printed nothing for 25 s: the launcher names rank 1's early exit,
+    not rank 0's silence (which the timeout rule alone would name)."""
+    from jonebit.launch import _failure, _Rank
+
+    waiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    left = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    try:
+        left.wait(timeout=60)
+        (tmp_path / "rank1").write_text(f"{time.time() - 20.0:.3f}")
+        ranks = [_Rank(0, waiting), _Rank(1, left)]
+        ranks[0].history.append((time.monotonic() - 25.0, "entering psum"))
+        ranks[1].history.append((time.monotonic() - 20.0, "exiting"))
+        ranks[1].err_tail.append("DEADLINE_EXCEEDED: Barrier timed out. Id: Shutdown::")
+        failure = _failure(ranks, ranks[1], 1, str(tmp_path))
+    finally:
+        waiting.kill()
+        waiting.wait()
+    assert re.fullmatch(r"rank 1 began to exit 2\d\.\ds before it failed, .*shutdown barrier.*", failure.suspect), (
+        failure.suspect)
+    assert "rank 0 may be" not in failure.suspect
