@@ -643,6 +643,12 @@ class OneBitAdam(_OneBitMixin, OptimizerOptions):
     def check(self, config: DeepSpeedConfig, path: str = "optimizer.params") -> None:
         self._check_freeze(config, path, "1-bit Adam needs at least one to estimate the variance (use 15-25% of the "
                            "training steps)")
+        stage = config.zero_optimization.stage
+        research = [k for k in self.experimental_keys() if getattr(self, k) not in (None, False)]
+        if stage and research:
+            raise ConfigError(f"{path}.{research[0]}", f"a research option of 1-bit Adam at ZeRO stage 0 only, got "
+                              f"zero_optimization.stage = {stage}; drop {', '.join(research)} or set "
+                              "zero_optimization.stage to 0 (see docs/experimental.md)")
         if self.comm_backend_name == "mpi" and config.zero_optimization.stage:
             raise ConfigError(f"{path}.comm_backend_name", "1-bit Adam under ZeRO (zero_optimization.stage = "
                               f"{config.zero_optimization.stage}) runs over jax collectives only; use \"nccl\" or "

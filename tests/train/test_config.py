@@ -246,6 +246,9 @@ BAD = [
     (edit(edit(LAMB1, "optimizer.params.freeze_step", "auto"), "optimizer.params.auto_freeze", {"max_step": 0}),
      "optimizer.params.auto_freeze.max_step", r">= 1, got 0"),
     (edit(ZERO_ONE, "optimizer.params.auto_freeze", {}), "optimizer.params.auto_freeze", r"unknown key"),
+    (edit(edit(ONEBIT, "optimizer.params.row_scales", True), "zero_optimization", {"stage": 2}),
+     "optimizer.params.row_scales", r"research option of 1-bit Adam at ZeRO stage 0 only, got "
+     r"zero_optimization.stage = 2; drop row_scales"),
 ]
 
 
@@ -316,12 +319,19 @@ def test_defaults_are_deepspeeds():
 def test_ignored_keys_are_logged(caplog):
     cfg = edit(BASE, "tensorboard", {"enabled": True, "output_path": "tb"})
     cfg["zero_optimization"] = {"stage": 2, "overlap_comm": True}
+    cfg.update(prescale_gradients=True, wall_clock_breakdown=True)
     with caplog.at_level(logging.WARNING, logger="jonebit.train.config"):
         c = load_config(cfg)
     assert c.zero_optimization.stage == 2
     text = caplog.text
     assert "'tensorboard' is accepted but ignored" in text
     assert "'zero_optimization.overlap_comm' is accepted but ignored" in text
+    assert "'prescale_gradients' is accepted but ignored" in text
+    assert "'wall_clock_breakdown' is accepted but ignored" in text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="jonebit.train.config"):
+        load_config(edit(edit(BASE, "prescale_gradients", False), "wall_clock_breakdown", False))
+    assert "ignored" not in caplog.text  # their default, false, is what DeepSpeed's sample configs carry
 
 
 @pytest.mark.parametrize(
