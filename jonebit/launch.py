@@ -12,8 +12,8 @@ failed once it has exited: under ``jax.distributed`` leave with ``sys.exit(n)`` 
 shutdown barrier (``shutdown_timeout``, 30 s) until the peers abort. Such a rank leaves a note when it starts
 to exit (``JONEBIT_LAUNCH_EXIT_DIR``), so when a peer then fails (or it fails itself, in that barrier) the launcher
 names it as the root cause; a peer that fails on a timeout while another rank has long been silent names that
-rank. The log ends with the root cause:
-the other ranks' state, the first failing rank's own last stderr lines, and one ``root cause:`` line.
+rank. The log ends with the root cause: the other ranks' state, the first failing rank's own last stderr lines,
+and one ``root cause:`` line.
 
 Lifetime: every process runs in its own process group; SIGINT (Ctrl-C), SIGTERM and SIGHUP sent to the launcher
 are forwarded to every group, so a process's own children get them too (a second signal kills at once). On Linux
