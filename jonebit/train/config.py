@@ -416,11 +416,6 @@ def load_config(source: str | os.PathLike | Mapping) -> DeepSpeedConfig:
     if fp16.enabled and bf16.enabled:
         raise ConfigError("bf16.enabled", "fp16 and bf16 are both enabled; enable at most one of them")
 
-    # Typed (a wrong value is an error), but they change nothing here: said when they are turned on.
-    for key, why in (("prescale_gradients", "dividing by the rank count before or after the sum gives the same mean"),
-                     ("wall_clock_breakdown", "timings come from the training loop (seconds, tokens_per_s)")):
-        if _bool(raw.get(key, False), key):
-            log.warning("DeepSpeed config key %r is accepted but ignored: %s", key, why)
     config = DeepSpeedConfig(
         **batch,
         steps_per_print=_int(raw.get("steps_per_print", 10), "steps_per_print", minimum=1),
@@ -431,6 +426,11 @@ def load_config(source: str | os.PathLike | Mapping) -> DeepSpeedConfig:
         bf16=bf16,
         zero_optimization=_parse_zero(_section(raw.get("zero_optimization", {}), "zero_optimization")),
     )
+    # Typed (a wrong value is an error), but they change nothing here: said when they are turned on.
+    for key, why in (("prescale_gradients", "dividing by the rank count before or after the sum gives the same mean"),
+                     ("wall_clock_breakdown", "timings come from the training loop (seconds, tokens_per_s)")):
+        if getattr(config, key):
+            log.warning("DeepSpeed config key %r is accepted but ignored: %s", key, why)
     optimizer = _parse_optimizer(raw["optimizer"]) if raw.get("optimizer") is not None else None
     config = dataclasses.replace(config, optimizer=optimizer)
     if optimizer is not None:

@@ -640,11 +640,15 @@ class OneBitAdam(_OneBitMixin, OptimizerOptions):
     def experimental_keys(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls) if f.metadata["experimental"])
 
+    def _research(self) -> dict:
+        """The research options this config turns on (``OneBitAdamOptions``'s arguments)."""
+        return {k: getattr(self, k) for k in self.experimental_keys() if getattr(self, k) not in (None, False)}
+
     def check(self, config: DeepSpeedConfig, path: str = "optimizer.params") -> None:
         self._check_freeze(config, path, "1-bit Adam needs at least one to estimate the variance (use 15-25% of the "
                            "training steps)")
         stage = config.zero_optimization.stage
-        research = [k for k in self.experimental_keys() if getattr(self, k) not in (None, False)]
+        research = list(self._research())
         if stage and research:
             raise ConfigError(f"{path}.{research[0]}", f"a research option of 1-bit Adam at ZeRO stage 0 only, got "
                               f"zero_optimization.stage = {stage}; drop {', '.join(research)} or set "
@@ -664,8 +668,8 @@ class OneBitAdam(_OneBitMixin, OptimizerOptions):
         self._warn_inert()
         comm = self._comm(options)
         b1, b2 = self.betas
-        research = {k: getattr(self, k) for k in self.experimental_keys() if getattr(self, k) not in (None, False)}
-        stage = options["zero_stage"]
+        research = self._research()
+        stage = options["zero_stage"]  # may differ from the checked config's (build_optimizer's zero_stage)
         if stage:
             unsupported = [*research, *(["freeze_step \"auto\""] if self.freeze_step == "auto" else []),
                            *(["comm_backend_name \"mpi\""] if comm["mpi_comm"] is not None else [])]

@@ -366,12 +366,13 @@ def zero_update(
         bits = pack_signs(jnp.where(v > 0, 1.0, -1.0).reshape(-1)).reshape(*v.shape[:-1], -1)
         return lax.all_gather(bits, axis, axis=bits.ndim - 1, tiled=True, to="invarying")
 
-    def seen_whole(g, n):
-        """Where buffer ``g``'s first ``n`` elements have a frozen variance > 0 (after the first compression)."""
-        if stage == 3:
-            signs = unpack_rows(seen[g])
-            return signs.reshape(*signs.shape[:-2], -1)[..., :n] > 0
-        return nu_full[g][..., :n] > 0
+    def keep_seen(m, g, n):
+        """``m``, buffer ``g``'s first ``n`` elements, where their frozen variance is > 0, else 0 (after the first
+        compression; stage 3 reads the signs of its packed bits, +1 where seen)."""
+        if stage != 3:
+            return where_seen(m, nu_full[g][..., :n])
+        signs = unpack_rows(seen[g])
+        return where_seen(m, signs.reshape(*signs.shape[:-2], -1)[..., :n])
 
     def warmup(_):
         new_mu, new_nu, u_chunks = [], [], []
@@ -401,7 +402,7 @@ def zero_update(
                 else:
                     m_prev = masked(decode(m_rows[g], g, n), g)
                     if mask_unseen:
-                        m_prev = jnp.where(seen_whole(g, n), m_prev, 0.0)
+                        m_prev = keep_seen(m_prev, g, n)
                 xs.append(b1 * m_prev + (1.0 - b1) * g_flat[g][..., :n])
             # One compressed allreduce per buffer (per layer of a stack), all sharing one all-to-all and one
             # all-gather.
