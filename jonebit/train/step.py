@@ -39,8 +39,51 @@ REDUCTIONS = (None, "mean", "mean_bf16")
 
 
 def per_device(body: Callable, mesh: jax.sharding.Mesh, in_specs, out_specs, *, check_vma: bool = True):
-    """``body`` run on every device of ``mesh`` in the per-device view (``jax.shard_map``)."""
-    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+    """``body`` run on every device of ``mesh`` in the per-device view (``jax.shard_map``).
+
+    An output that ``body`` returns unchanged from an input with the same spec (1-bit Adam's frozen variance
+    after the freeze, a skipped optimizer's state) is that input: under ``jit`` it no longer leaves the manual
+    computation, which matters for compile time (Shardy's grows with the square of a manual computation's
+    operands and results; at 2,000 leaves the frozen variance alone is 2,000 of them).
+    """
+    forwarded: list = []
+
+    def traced(*args):
+        out = body(*args)
+        position = {id(x): i for i, x in enumerate(jax.tree.leaves(args))}
+        forwarded[:] = [position.get(id(x)) for x in jax.tree.leaves(out)]
+        return out
+
+    mapped = jax.shard_map(traced, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+
+    def call(*args):
+        forwarded.clear()
+        out = mapped(*args)
+        if not any(i is not None for i in forwarded):  # nothing forwarded, or the trace came from a cache
+            return out
+        flat_in = jax.tree.leaves(args)
+        flat_out, tree = jax.tree.flatten(out)
+        specs_in, specs_out = _spec_leaves(in_specs, args), _spec_leaves(out_specs, out)
+        if len(forwarded) != len(flat_out) or specs_in is None or specs_out is None:
+            return out
+        for k, i in enumerate(forwarded):
+            if (i is not None and specs_in[i] == specs_out[k] and flat_in[i].shape == flat_out[k].shape
+                    and flat_in[i].dtype == flat_out[k].dtype):
+                flat_out[k] = flat_in[i]
+        return tree.unflatten(flat_out)
+
+    return call
+
+
+def _spec_leaves(prefix, tree) -> list | None:
+    """The spec of every leaf of ``tree`` from a prefix of specs, or None where the prefix does not fit."""
+    is_spec = lambda x: x is None or isinstance(x, P)  # noqa: E731
+    try:
+        specs = jax.tree.leaves(jax.tree.broadcast(prefix, tree, is_leaf=is_spec),
+                                is_leaf=lambda x: isinstance(x, P))  # a None spec spans no array
+    except (ValueError, TypeError):
+        return None
+    return specs if len(specs) == len(jax.tree.leaves(tree)) else None
 
 
 @jax.tree_util.register_dataclass
@@ -312,5 +355,6 @@ def apply_optimizer(tx: optax.GradientTransformation, grads, opt_state, params):
 def keep_if(bad, old, new):
     """``old`` where ``bad`` (a scalar, the same on every rank), else ``new``: a skipped step keeps every leaf bit
     for bit. A select rather than a conditional, so that it fuses into the update's elementwise loops (a
-    conditional materialises its result and copies the donated buffers)."""
-    return jax.tree.map(lambda o, n: jnp.where(bad, o, n), old, new)
+    conditional materialises its result and copies the donated buffers). A leaf the step left as it was stays that
+    very value (:func:`per_device` keeps it out of the manual computation)."""
+    return jax.tree.map(lambda o, n: o if o is n else jnp.where(bad, o, n), old, new)

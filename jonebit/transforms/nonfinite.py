@@ -98,7 +98,8 @@ def skip_nonfinite(
             io_callback(_raise_if_bad, None, bad, mine, state.skipped)
         updates = jax.tree.map(lambda u: jnp.where(bad, jnp.zeros_like(u), u), updates)
         # Leaves typed per rank (error buffers) and replicated ones alike: where keeps each side's own type.
-        new_inner = jax.tree.map(lambda old, new: jnp.where(bad, old, new), state.inner, new_inner)
+        new_inner = jax.tree.map(lambda old, new: old if old is new else jnp.where(bad, old, new), state.inner,
+                                 new_inner)
         return updates, SkipNonfiniteState(inner=new_inner, skipped=state.skipped + bad.astype(jnp.int32))
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -76,6 +76,37 @@ def test_a_phase_program_has_no_conditional():
         params, state = update(params, state, _grads(0))
 
 
+def _manual_results(lowered) -> int:
+    """How many results the program's manual computation (its shard_map) returns."""
+    line = next(x for x in lowered.as_text().splitlines() if "sdy.manual_computation(" in x)
+    return line.split("out_shardings=", 1)[1].split("manual_axes=", 1)[0].count("<@")
+
+
+def test_the_frozen_variance_stays_out_of_the_compression_program():
+    """After the freeze the variance is read, not written: the compression program returns it as it came in (bit
+    for bit, through a donated state) and its manual computation has no result for it (one per leaf fewer, which
+    Shardy's compile time at thousands of leaves needs). Warmup writes the variance but leaves the error buffers
+    as they are: there they are the ones left out."""
+    mesh = data_mesh(N)
+    tx = jonebit.onebit_adam(1e-2, freeze_step=1)
+    params = replicate(_params(), mesh)
+    state, specs = init_optimizer(tx, params, mesh)
+    update = make_update(tx, mesh, specs)
+    outputs = len(jax.tree.leaves((params, state)))  # what the step returns
+    errors = len(jax.tree.leaves((state.worker_error, state.server_error)))
+    warmup = _manual_results(update.program(params, state, _grads(0)).lower(params, state, _grads(0)))
+    assert warmup == outputs - errors
+    params, state = update(params, state, _grads(0))
+    assert next_phases(state) == ((OneBitAdamState, "compression"),)
+    compression = _manual_results(update.program(params, state, _grads(1)).lower(params, state, _grads(1)))
+    assert compression == outputs - len(jax.tree.leaves(state.nu))
+    nu = jax.device_get(state.nu)
+    params, state = update(params, state, _grads(1))
+    assert PHASES[int(state.phase)] == "compression"
+    for a, b in zip(jax.tree.leaves(jax.device_get(state.nu)), jax.tree.leaves(nu), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_warmup_computes_what_the_branch_computes(runs):
     """Up to the first 1-bit step the two forms are float Adam in two different programs, which may sum and contract
     in different orders: each of the ~10 elementwise operations per element and step, and the 4-way mean, may round
