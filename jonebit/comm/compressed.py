@@ -400,18 +400,42 @@ def decode_groups(groups, sizes, rows=None) -> list[jax.Array]:
             count = row_padded_size(n, by_rank.shape[0], row) // row // by_rank.shape[0]
             bits, scales = _split_row_scales(by_rank, count)  # (P, k, C/8), (P, k, C/row)
             dec = unpack_rows(bits).reshape(*scales.shape, row) * scales[..., None]
-            for j, i in enumerate(idx):
-                out[i] = dec[:, j].reshape(-1)[:n]
-            continue
-        if len(idx) == 1:
+        elif len(idx) == 1:
             out[idx[0]] = decode_segments(grouped[0], [n])[0]
             continue
-        bits, scales = _split_scale(by_rank)  # (P, k, C/8), (P, k)
-        pos, neg = _signed(scales)
-        dec = jnp.where((bits[..., None] & _BIT_WEIGHTS) != 0, pos[..., None, None], neg[..., None, None])
-        for j, i in enumerate(idx):
-            out[i] = dec[:, j].reshape(-1)[:n]
+        else:
+            bits, scales = _split_scale(by_rank)  # (P, k, C/8), (P, k)
+            pos, neg = _signed(scales)
+            dec = jnp.where((bits[..., None] & _BIT_WEIGHTS) != 0, pos[..., None, None], neg[..., None, None])
+        for i, j in zip(idx, shared_kernel_indices(len(idx), scales), strict=True):
+            out[i] = lax.dynamic_index_in_dim(dec, j, axis=1, keepdims=False).reshape(-1)[:n]
     return out
+
+
+def shared_kernel_indices(count: int, anchor: jax.Array) -> list:
+    """``0, 1, ..., count - 1``, as indices of the leaves of a group to read each one's rows with.
+
+    On XLA:CPU they are run-time values: XLA:CPU compiles a kernel once for every kernel with the same
+    computation, but an index that is a constant is part of the computation, so a group of ``k`` leaves would get
+    ``k`` kernels (each ~10 ms of code generation and ~0.9 MB of compile memory: most of what a model with
+    thousands of leaves costs to compile beyond AdamW, benchmarks/BENCHMARKS.md). The values come out of a loop
+    whose trip count depends on ``anchor`` (any float array of the step; the loop runs once, twice where its first
+    element is a NaN) and which adds 0 on every trip, so the compiler cannot fold them back into constants, and
+    every leaf of a size shares one kernel. Elsewhere (GPU: a loop would cost a device-to-host read of its
+    condition) plain integers.
+    """
+    if count <= 1 or jax.default_backend() != "cpu":
+        return list(range(count))
+    first = jnp.ravel(anchor)[0]
+    trips = 1 + (first != first).astype(jnp.int32)
+
+    def body(carry):
+        trip, values = carry
+        zero = (trip >= 1 << 30).astype(jnp.int32)  # 0 on every trip this loop makes
+        return trip + 1, tuple(v + zero for v in values)
+
+    init = (jnp.int32(0), tuple(jnp.int32(j) for j in range(count)))
+    return list(lax.while_loop(lambda carry: carry[0] < trips, body, init)[1])
 
 
 def _join_columns(arrays):

@@ -191,3 +191,34 @@ def test_stacked_errors_of_the_wrong_shape_are_a_clear_error():
     swapped = [xs[0], xs[2], xs[1]]  # groups no longer match the lengths
     with pytest.raises(ValueError, match=r"buffer 1 has shape \(3,\), not \(5,\) like the rest of its group"):
         compressed.compressed_allreduce_stacked(backend, swapped, groups, w, s)
+
+
+def _decode_kernels(k: int, n: int = 1000, p: int = 4) -> tuple[int, list[np.ndarray]]:
+    """Distinct fused computations XLA:CPU compiles for decoding a group of ``k`` buffers of ``n`` values (the
+    kernels it generates: identical computations share one), and the decoded buffers."""
+    import re
+
+    rng = np.random.default_rng(k)
+    width = padded_size(n, p) // p // 8
+    bits = rng.integers(0, 256, (k, p, width), dtype=np.uint8)
+    scales = rng.uniform(0.5, 2.0, (k, p, 1)).astype(np.float32)
+    grouped = np.concatenate([bits, scales.view(np.uint8)], axis=-1)
+    decode = jax.jit(lambda g: compressed.decode_groups([(list(range(k)), g, None, None)], [n] * k))
+    text = decode.lower(grouped).compile().as_text()
+    bodies = re.findall(r"^%fused_computation[^\n]*\{\n(.*?)^\}", text, flags=re.S | re.M)
+    normal = {re.sub(r"%[\w.\-]+|param_[\d.]+|, metadata=\{[^}]*\}", "", b) for b in bodies}
+    return len(normal), [np.asarray(x) for x in decode(grouped)]
+
+
+def test_a_groups_leaves_share_one_decode_kernel(monkeypatch):
+    """Each buffer of a group is read out of the group's gathered rows with an index XLA:CPU cannot fold
+    (shared_kernel_indices), so the decode of every buffer of a length is one kernel, however many buffers; with
+    the indices as constants each buffer gets its own. The decoded values are the same either way, bit for bit."""
+    shared = {k: _decode_kernels(k) for k in (4, 16)}
+    assert shared[4][0] == shared[16][0]
+    monkeypatch.setattr(compressed, "shared_kernel_indices", lambda count, anchor: list(range(count)))
+    constant = {k: _decode_kernels(k) for k in (4, 16)}
+    assert constant[16][0] >= constant[4][0] + 12
+    for k in (4, 16):
+        for a, b in zip(shared[k][1], constant[k][1], strict=True):
+            np.testing.assert_array_equal(a, b)
