@@ -431,10 +431,11 @@ def shared_kernel_indices(count: int, anchor: jax.Array) -> list:
 
     def body(carry):
         trip, values = carry
-        zero = (trip >= 1 << 30).astype(jnp.int32)  # 0 on every trip this loop makes
+        zero = (trip >= 1 << 30).astype(jnp.uint32)  # 0 on every trip this loop makes
         return trip + 1, tuple(v + zero for v in values)
 
-    init = (jnp.int32(0), tuple(jnp.int32(j) for j in range(count)))
+    # Unsigned: an index that cannot be negative needs no wrapping code in every kernel that reads with it.
+    init = (jnp.int32(0), tuple(jnp.uint32(j) for j in range(count)))
     return list(lax.while_loop(lambda carry: carry[0] < trips, body, init)[1])
 
 
