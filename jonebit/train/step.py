@@ -42,9 +42,9 @@ def per_device(body: Callable, mesh: jax.sharding.Mesh, in_specs, out_specs, *, 
     """``body`` run on every device of ``mesh`` in the per-device view (``jax.shard_map``).
 
     An output that ``body`` returns unchanged from an input with the same spec (1-bit Adam's frozen variance
-    after the freeze, a skipped optimizer's state) is that input: under ``jit`` it no longer leaves the manual
-    computation, which matters for compile time (Shardy's grows with the square of a manual computation's
-    operands and results; at 2,000 leaves the frozen variance alone is 2,000 of them).
+    after the freeze, the error buffers its warmup leaves as they are) is that input: under ``jit`` it no longer
+    leaves the manual computation, which matters for compile time (Shardy's grows with the square of a manual
+    computation's operands and results; at 2,000 leaves the frozen variance alone is 2,000 of them).
     """
     forwarded: list = []
 
@@ -67,8 +67,8 @@ def per_device(body: Callable, mesh: jax.sharding.Mesh, in_specs, out_specs, *, 
         if len(forwarded) != len(flat_out) or specs_in is None or specs_out is None:
             return out
         for k, i in enumerate(forwarded):
-            if (i is not None and specs_in[i] == specs_out[k] and flat_in[i].shape == flat_out[k].shape
-                    and flat_in[i].dtype == flat_out[k].dtype):
+            if (i is not None and specs_in[i] == specs_out[k] and np.shape(flat_in[i]) == np.shape(flat_out[k])
+                    and jnp.result_type(flat_in[i]) == jnp.result_type(flat_out[k])):
                 flat_out[k] = flat_in[i]
         return tree.unflatten(flat_out)
 
