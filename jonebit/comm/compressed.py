@@ -415,14 +415,15 @@ def decode_groups(groups, sizes, rows=None) -> list[jax.Array]:
 def shared_kernel_indices(count: int, anchor: jax.Array) -> list:
     """``0, 1, ..., count - 1``, as indices of the leaves of a group to read each one's rows with.
 
-    On XLA:CPU they are run-time values: XLA:CPU compiles a kernel once for every kernel with the same
+    On XLA:CPU they are run-time values: XLA:CPU generates code once for all fused kernels with the same
     computation, but an index that is a constant is part of the computation, so a group of ``k`` leaves would get
     ``k`` kernels (each ~10 ms of code generation and ~0.9 MB of compile memory: most of what a model with
     thousands of leaves costs to compile beyond AdamW, benchmarks/BENCHMARKS.md). The values come out of a loop
     whose trip count depends on ``anchor`` (any float array of the step; the loop runs once, twice where its first
     element is a NaN) and which adds 0 on every trip, so the compiler cannot fold them back into constants, and
     every leaf of a size shares one kernel. Elsewhere (GPU: a loop would cost a device-to-host read of its
-    condition) plain integers.
+    condition) plain integers. The backend is JAX's default one, read while tracing: a CPU mesh on a GPU machine
+    gets the plain integers (the same values, one kernel per leaf).
     """
     if count <= 1 or jax.default_backend() != "cpu":
         return list(range(count))

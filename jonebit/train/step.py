@@ -41,33 +41,31 @@ REDUCTIONS = (None, "mean", "mean_bf16")
 def per_device(body: Callable, mesh: jax.sharding.Mesh, in_specs, out_specs, *, check_vma: bool = True):
     """``body`` run on every device of ``mesh`` in the per-device view (``jax.shard_map``).
 
-    An output that ``body`` returns unchanged from an input with the same spec (1-bit Adam's frozen variance
-    after the freeze, the error buffers its warmup leaves as they are) is that input: under ``jit`` it no longer
-    leaves the manual computation, which matters for compile time (Shardy's grows with the square of a manual
-    computation's operands and results; at 2,000 leaves the frozen variance alone is 2,000 of them).
+    An output that ``body`` returns unchanged from an input array with the same spec (1-bit Adam's frozen variance
+    after the freeze, the error buffers its warmup leaves as they are) is that input, in the layout it came in:
+    under ``jit`` it no longer leaves the manual computation, which matters for compile time (Shardy's grows with
+    the square of a manual computation's operands and results; at 2,000 leaves the frozen variance alone is 2,000
+    of them).
     """
-    forwarded: list = []
-
-    def traced(*args):
-        out = body(*args)
-        position = {id(x): i for i, x in enumerate(jax.tree.leaves(args))}
-        forwarded[:] = [position.get(id(x)) for x in jax.tree.leaves(out)]
-        return out
-
-    mapped = jax.shard_map(traced, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
 
     def call(*args):
-        forwarded.clear()
-        out = mapped(*args)
-        if not any(i is not None for i in forwarded):  # nothing forwarded, or the trace came from a cache
+        forwarded: list = []  # this call's own: two traces at once cannot mix their answers
+
+        def traced(*inner):
+            out = body(*inner)
+            position = {id(x): i for i, x in enumerate(jax.tree.leaves(inner))}
+            forwarded[:] = [position.get(id(x)) for x in jax.tree.leaves(out)]
             return out
+
+        out = jax.shard_map(traced, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)(*args)
         flat_in = jax.tree.leaves(args)
         flat_out, tree = jax.tree.flatten(out)
         specs_in, specs_out = _spec_leaves(in_specs, args), _spec_leaves(out_specs, out)
         if len(forwarded) != len(flat_out) or specs_in is None or specs_out is None:
             return out
         for k, i in enumerate(forwarded):
-            if (i is not None and specs_in[i] == specs_out[k] and np.shape(flat_in[i]) == np.shape(flat_out[k])
+            if (i is not None and isinstance(flat_in[i], jax.Array | jax.core.Tracer)
+                    and specs_in[i] == specs_out[k] and np.shape(flat_in[i]) == np.shape(flat_out[k])
                     and jnp.result_type(flat_in[i]) == jnp.result_type(flat_out[k])):
                 flat_out[k] = flat_in[i]
         return tree.unflatten(flat_out)
@@ -76,11 +74,11 @@ def per_device(body: Callable, mesh: jax.sharding.Mesh, in_specs, out_specs, *, 
 
 
 def _spec_leaves(prefix, tree) -> list | None:
-    """The spec of every leaf of ``tree`` from a prefix of specs, or None where the prefix does not fit."""
-    is_spec = lambda x: x is None or isinstance(x, P)  # noqa: E731
+    """The spec of every leaf of ``tree`` from a prefix of specs, or None where they do not pair up one to one
+    (a ``None`` spec, for a static argument: no forwarding then)."""
     try:
-        specs = jax.tree.leaves(jax.tree.broadcast(prefix, tree, is_leaf=is_spec),
-                                is_leaf=lambda x: isinstance(x, P))  # a None spec spans no array
+        specs = jax.tree.leaves(jax.tree.broadcast(prefix, tree, is_leaf=lambda x: x is None),
+                                is_leaf=lambda x: isinstance(x, P))
     except (ValueError, TypeError):
         return None
     return specs if len(specs) == len(jax.tree.leaves(tree)) else None

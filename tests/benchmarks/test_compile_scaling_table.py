@@ -60,8 +60,9 @@ def test_the_result_files_hold_the_conclusion():
     assert new["perleaf"]["codegen_s"] < 0.5 * fwd["perleaf"]["codegen_s"]
     assert new["perleaf"]["peak_rss_gib"] < 0.7 * fwd["perleaf"]["peak_rss_gib"]
     # Where the time goes now: the HLO passes (Shardy and the SPMD partitioner above all), which cost 1-bit Adam no
-    # more than AdamW (within 15%, the spread of one case between runs).
-    assert new["perleaf"]["passes_s"] <= 1.15 * new["adamw"]["passes_s"]
+    # more than AdamW: within 25%, as the passes of one unchanged program (AdamW's) took 82-99 s across the three
+    # recorded runs.
+    assert new["perleaf"]["passes_s"] <= 1.25 * new["adamw"]["passes_s"]
     assert new["perleaf"]["passes_s"] > 0.6 * new["perleaf"]["compile_s"]
 
 
