@@ -33,6 +33,7 @@ from jonebit.comm.backends import as_varying
 from jonebit.comm.quantized_gather import quantized_all_gather
 from jonebit.sharding.layerwise import FlatLayer, flat_gathering, gathering, is_stacked
 from jonebit.train.onebit_zero import FlatParams
+from jonebit.transforms.nonfinite import keep_if  # noqa: F401  (the step's skip: one rule for both)
 from jonebit.transforms.onebit_adam_zero import OneBitAdamZeroState
 
 REDUCTIONS = (None, "mean", "mean_bf16")
@@ -348,11 +349,3 @@ def apply_optimizer(tx: optax.GradientTransformation, grads, opt_state, params):
     """``(new_params, new_opt_state)`` after one update of ``tx``."""
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
-
-
-def keep_if(bad, old, new):
-    """``old`` where ``bad`` (a scalar, the same on every rank), else ``new``: a skipped step keeps every leaf bit
-    for bit. A select rather than a conditional, so that it fuses into the update's elementwise loops (a
-    conditional materialises its result and copies the donated buffers). A leaf the step left as it was stays that
-    very value (:func:`per_device` keeps it out of the manual computation)."""
-    return jax.tree.map(lambda o, n: o if o is n else jnp.where(bad, o, n), old, new)

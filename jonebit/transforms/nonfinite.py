@@ -52,6 +52,15 @@ def _raise_if_bad(bad, mine, skipped) -> None:
         )
 
 
+def keep_if(bad, old, new):
+    """``old`` where ``bad`` (a scalar, the same on every rank), else ``new``: a skipped step keeps every leaf bit
+    for bit. A select rather than a conditional, so that it fuses into the update's elementwise loops (a
+    conditional materialises its result and copies the donated buffers). A leaf the step left as it was stays that
+    very value (:func:`jonebit.train.step.per_device` keeps it out of the manual computation); a select keeps
+    each side's own type (error buffers typed per rank, replicated leaves)."""
+    return jax.tree.map(lambda o, n: o if o is n else jnp.where(bad, o, n), old, new)
+
+
 def skip_nonfinite(
     inner: optax.GradientTransformation,
     *,
@@ -97,9 +106,7 @@ def skip_nonfinite(
         if raise_error:
             io_callback(_raise_if_bad, None, bad, mine, state.skipped)
         updates = jax.tree.map(lambda u: jnp.where(bad, jnp.zeros_like(u), u), updates)
-        # Leaves typed per rank (error buffers) and replicated ones alike: where keeps each side's own type.
-        new_inner = jax.tree.map(lambda old, new: old if old is new else jnp.where(bad, old, new), state.inner,
-                                 new_inner)
+        new_inner = keep_if(bad, state.inner, new_inner)
         return updates, SkipNonfiniteState(inner=new_inner, skipped=state.skipped + bad.astype(jnp.int32))
 
     return optax.GradientTransformation(init_fn, update_fn)
