@@ -17,6 +17,7 @@ so the comparison is exact by construction. Record only from code whose behaviou
 
     python -m tests.transforms.golden_trajectories record   # rewrites tests/transforms/golden_trajectories.npz
     python -m tests.transforms.golden_trajectories check    # replays, prints the mismatches as JSON
+    python -m tests.transforms.golden_trajectories check per_phase 0/2   # a program per phase, the first half
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ if __name__ == "__main__":  # the recording and the replay run as their own proc
     os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "0"  # XLA's default level, whatever the caller's (the suite's: -O0)
 
 import json  # noqa: E402
+import re  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -256,12 +258,17 @@ def recorded(name: str) -> dict[str, np.ndarray]:
         return {k[len(prefix):]: data[k] for k in data.files if k.startswith(prefix)}
 
 
-def check(per_phase: bool = False) -> list[tuple[str, str, int]]:
-    """Replays every case, in the form ``per_phase`` says (see :func:`run`): ``(case, key, mismatched elements)``
-    for each array that differs from the recording, and ``(case, key, -1)`` for a key present on one side only (other
-    than :data:`ADDED`)."""
+def share(part: int, parts: int) -> list[str]:
+    """The cases of one of ``parts`` interleaved shares (the suite replays each share in a process of its own)."""
+    return list(CASES)[part::parts]
+
+
+def check(per_phase: bool = False, names=tuple(CASES)) -> list[tuple[str, str, int]]:
+    """Replays the cases ``names``, in the form ``per_phase`` says (see :func:`run`): ``(case, key, mismatched
+    elements)`` for each array that differs from the recording, and ``(case, key, -1)`` for a key present on one
+    side only (other than :data:`ADDED`)."""
     bad = []
-    for name in CASES:
+    for name in names:
         want, got = recorded(name), run(name, per_phase)
         for key in sorted((set(got) ^ set(want)) - set(ADDED)):
             bad.append((name, key, -1))
@@ -275,7 +282,10 @@ def check(per_phase: bool = False) -> list[tuple[str, str, int]]:
 if __name__ == "__main__":
     if sys.argv[1:] == ["record"]:
         record()
-    elif sys.argv[1:2] == ["check"] and sys.argv[2:] in ([], ["per_phase"]):
-        print(json.dumps({"cases": len(CASES), "mismatches": check(per_phase=sys.argv[2:] == ["per_phase"])}))
+    elif sys.argv[1:2] == ["check"] and all(a == "per_phase" or re.fullmatch(r"\d+/\d+", a) for a in sys.argv[2:]):
+        # check [per_phase] [K/N]: the K-th of N interleaved shares of the cases (all of them without one)
+        shares = [tuple(map(int, a.split("/"))) for a in sys.argv[2:] if a != "per_phase"]
+        names = share(*shares[0]) if shares else list(CASES)
+        print(json.dumps({"cases": names, "mismatches": check("per_phase" in sys.argv[2:], names)}))
     else:
-        sys.exit("usage: python -m tests.transforms.golden_trajectories record|check [per_phase]")
+        sys.exit("usage: python -m tests.transforms.golden_trajectories record|check [per_phase] [K/N]")

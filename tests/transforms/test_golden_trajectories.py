@@ -17,21 +17,28 @@ import numpy as np
 import pytest
 
 from tests.mpi_util import ROOT
-from tests.transforms.golden_trajectories import CASES, FREEZE, NAN_STEP, STEPS, XLA_FLAGS, recorded
+from tests.transforms.golden_trajectories import CASES, FREEZE, NAN_STEP, STEPS, XLA_FLAGS, recorded, share
+
+SHARES = 2  # each form's cases in two processes, so that no one test holds the whole replay
 
 
+@pytest.mark.parametrize("part", range(SHARES), ids=lambda k: f"{k + 1}of{SHARES}")
 @pytest.mark.parametrize("form", ["one_program", "per_phase"])
-def test_replay_is_bit_identical(form):
+def test_replay_is_bit_identical(form, part):
     """Both forms of every optimizer: the transformation's one program with every phase (a user's own jit), and a
     program per phase picked on the host (jonebit's step builders) replay the recording bit for bit."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": XLA_FLAGS}
-    argv = ["check"] if form == "one_program" else ["check", "per_phase"]
+    argv = ["check", f"{part}/{SHARES}"] if form == "one_program" else ["check", "per_phase", f"{part}/{SHARES}"]
     out = subprocess.run([sys.executable, "-m", "tests.transforms.golden_trajectories", *argv], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["cases"] == len(CASES)
+    assert result["cases"] == share(part, SHARES)
     assert result["mismatches"] == [], "(case, array, elements that differ; -1: only on one side)"
+
+
+def test_the_shares_hold_every_case_once():
+    assert sorted(c for k in range(SHARES) for c in share(k, SHARES)) == sorted(CASES)
 
 
 def test_recording_exercises_what_it_claims():
