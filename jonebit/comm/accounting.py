@@ -39,6 +39,11 @@ _OPS = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-
 _INSTR = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+(?P<op>" + "|".join(_OPS) + r")(?P<start>-start)?\("
 )
+# What a line needs to hold for the walk to look at it; most lines of a compiled program (the bodies of its fusions)
+# hold none of it, and this one search is cheaper than the anchored patterns' backtracking over every line.
+_WORTH_A_LOOK = re.compile(
+    "|".join(_OPS) + r"|calls=|to_apply=|body=|condition=|branch_computations=|true_computation="
+)
 # Instructions whose `calls=` names a computation already followed from the matching async-start.
 _ASYNC_FOLLOWUP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.+?\s+async-(?:update|done)\(")
 _WHILE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.+?\s+while\(")
@@ -307,6 +312,8 @@ def comm_report(hlo_text: str, num_devices: int) -> CommReport:
             return direct, conds
         seen = seen | {name}
         for line in comps[name]:
+            if not _WORTH_A_LOOK.search(line):
+                continue
             if m := _INSTR.match(line):
                 op, is_start = m.group("op"), m.group("start") is not None
                 arrays = _arrays(_result_shape(op, is_start, m.group("shape")))

@@ -284,20 +284,22 @@ def test_initialize_at_stage_3_resumes_exactly(tmp_path):
 
 
 def straight_and_resumed(cfg: dict, loss_fn, params, tmp_path):
-    """The engine's final states of a 4-step run straight through, and of one stopped after a checkpoint at step 2
-    and resumed in a new engine from other initial parameters (only the restored checkpoint can make it end like the
-    straight one)."""
+    """The engine's final states of a 4-step run straight through, and of a new engine, built from other initial
+    parameters, that resumes from the straight run's step-2 checkpoint (a copy of it, alone in its own run
+    directory: what a run stopped after step 2 leaves); only the restored checkpoint can make it end like the
+    straight one."""
+    import shutil
 
-    def train(out, max_steps, seed=0):
+    def train(out, seed):
         start = params if seed == 0 else jax.tree.map(lambda x: x + 0.01, params)
         engine = initialize(cfg, loss_fn, start, mesh=mesh())
-        loop = engine.loop_config(out, max_steps=max_steps, progress_bar=False, tensorboard=False,
-                                  checkpoint_every=2)
+        loop = engine.loop_config(out, max_steps=4, progress_bar=False, tensorboard=False, checkpoint_every=2,
+                                  keep_checkpoints=2)
         return engine.train(_Batches(), loop)
 
-    straight = train(tmp_path / "straight", 4)
-    train(tmp_path / "resumed", 2)
-    return straight, train(tmp_path / "resumed", 4, seed=1)
+    straight = train(tmp_path / "straight", seed=0)
+    shutil.copytree(tmp_path / "straight" / "checkpoints" / "2", tmp_path / "resumed" / "checkpoints" / "2")
+    return straight, train(tmp_path / "resumed", seed=1)
 
 
 class _Batches:
