@@ -46,6 +46,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
+from jonebit.train.checkpoint import MIN_REPLICA_SLICE_BYTES
 from jonebit.train.engine import TrainState
 from jonebit.train.schedules import bad_learning_rate, check_schedule, lr_problem
 from jonebit.transforms.base import last_phase, phase_names
@@ -205,6 +206,37 @@ def _world_size(state: TrainState, mpi=None) -> int:
     return int(jax.tree.leaves(state.params)[0].sharding.mesh.size) * (1 if mpi is None else int(mpi.size))
 
 
+def _handlers(ocp):
+    """The manager's handlers: orbax's own, with arrays split among replicas only in shares of at least
+    :data:`MIN_REPLICA_SLICE_BYTES`. ``None`` (orbax's defaults) where this orbax lacks the parts used."""
+    try:
+        from orbax.checkpoint._src.metadata import array_metadata_store
+        from orbax.checkpoint.type_handlers import ArrayHandler, create_type_handler_registry, get_type_handler
+
+        arrays = ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES,
+                              array_metadata_store=array_metadata_store.Store())
+        others = [(t, get_type_handler(t)) for t in (int, float, bytes, np.number, np.ndarray, str)]
+        types = create_type_handler_registry((jax.Array, arrays), *others)
+
+        class StateHandler(ocp.StandardCheckpointHandler):
+            def __init__(self):
+                super().__init__()
+                if type(self._impl) is not ocp.PyTreeCheckpointHandler:
+                    raise TypeError("StandardCheckpointHandler holds no PyTreeCheckpointHandler")
+                self._impl = ocp.PyTreeCheckpointHandler(type_handler_registry=types)
+
+        state, meta = StateHandler(), ocp.JsonCheckpointHandler()
+    except (ImportError, AttributeError, TypeError) as e:
+        logging.getLogger(__name__).info("orbax's default array handling (%s)", e)
+        return None
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    for args, handler in ((ocp.args.StandardSave, state), (ocp.args.StandardRestore, state)):
+        registry.add("state", args, handler)
+    for args in (ocp.args.JsonSave, ocp.args.JsonRestore):
+        registry.add("meta", args, meta)
+    return registry
+
+
 class _Checkpoints:
     """orbax CheckpointManager of ``TrainState`` + JSON (data position, world size)."""
 
@@ -223,6 +255,7 @@ class _Checkpoints:
                 cleanup_tmp_directories=True,
                 create=True,
             ),
+            handler_registry=_handlers(ocp),
         )
 
     def latest(self) -> int | None:

@@ -320,3 +320,49 @@ def test_the_tensorboard_writer_leaves_torch_unimported(tmp_path):
     assert imported == "False"
     assert scalars == "[(3, 'train/loss', 2.5)]"
     assert torch_after in ("importable", "not installed")
+
+
+def test_checkpoints_split_only_large_arrays_among_replicas(tmp_path, monkeypatch):
+    """orbax writes a replicated array in slices, one per replica; the loop's checkpoints (and
+    ``jonebit.train.checkpoint.save``) do so only where a replica's slice holds at least MIN_REPLICA_SLICE_BYTES (each
+    slice is an eager op: for the many small arrays of a model's state the split cost seconds per save). The state
+    comes back bit for bit."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from orbax.checkpoint._src.serialization import replica_slices
+
+    from jonebit.train import checkpoint
+    from jonebit.train.checkpoint import MIN_REPLICA_SLICE_BYTES
+    from jonebit.train.engine import TrainState
+    from jonebit.train.loop import _Checkpoints
+
+    slices = []
+    original = replica_slices.get_replica_slices
+
+    def counted(arr, *args, **kwargs):
+        out = original(arr, *args, **kwargs)
+        slices.append((arr.nbytes, len(out.replica_slices)))
+        return out
+
+    monkeypatch.setattr(replica_slices, "get_replica_slices", counted)
+    mesh = data_mesh()
+    replicated = NamedSharding(mesh, P())
+    big = 8 * MIN_REPLICA_SLICE_BYTES // 4  # float32 elements: each of the 8 replicas' slices is 1 MiB
+    rng = np.random.default_rng(0)
+    scalar = jax.device_put(np.int32(3), replicated)
+    state = TrainState(step=scalar, params={"small": jax.device_put(rng.standard_normal((16, 8), np.float32),
+                                                                    replicated),
+                                            "big": jax.device_put(rng.standard_normal(big, np.float32), replicated)},
+                       opt_state=(), loss_scale=(), skipped=scalar)
+    ckpt = _Checkpoints(tmp_path, LoopConfig(tmp_path, max_steps=1, async_checkpoint=False))
+    ckpt.save(1, state, {"step": 1, "world_size": 8})
+    ckpt.wait()
+    want = [(4, 1), (4, 1), (16 * 8 * 4, 1), (big * 4, 8)]  # (bytes, slices) of each array
+    assert sorted(slices) == want, slices
+    restored, _ = ckpt.restore(1, state)
+    ckpt.close()
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    slices.clear()
+    checkpoint.save(tmp_path / "alone", state, step=1)
+    assert sorted(slices) == want, slices
