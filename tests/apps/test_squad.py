@@ -266,11 +266,26 @@ def _tiny_argv(tiny, out, *extra) -> list[str]:
             "--no-progress", "--output", str(out), *extra]
 
 
-def test_squad_from_a_pretrain_run_and_resume(tiny, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def tiny_run(tiny, tmp_path_factory):
+    """``jonebit squad`` from the pretrain-style run, Adam on 2 devices: (its output directory, what it printed)."""
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp("tiny_run") / "run"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(_tiny_argv(tiny, out, "--optimizer", "adam")) == 0
+    return out, printed.getvalue()
+
+
+def test_squad_from_a_pretrain_run_and_resume(tiny, tiny_run, tmp_path, capsys):
+    import shutil
+
     out = tmp_path / "run"
-    assert main(_tiny_argv(tiny, out, "--optimizer", "adam")) == 0
+    shutil.copytree(tiny_run[0], out)  # this test's own copy: resuming it leaves the module's run as it was
     first = json.loads((out / "eval.json").read_text())
-    assert "qa_outputs initialised fresh" in capsys.readouterr().out
+    assert "qa_outputs initialised fresh" in tiny_run[1]
     assert _squad_eval(tiny[2], out / "predictions.json", capsys) == {k: first[k] for k in ("exact_match", "f1")}
     assert first["questions"] == 8 and "predict_subset.json" not in first["data_file"]
     # Run again: the finished run resumes from its checkpoint, trains nothing, predicts the same answers.
@@ -280,7 +295,7 @@ def test_squad_from_a_pretrain_run_and_resume(tiny, tmp_path, capsys):
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
-def test_launched_processes_fine_tune_as_one_job(tiny, tmp_path, capsys):
+def test_launched_processes_fine_tune_as_one_job(tiny, tiny_run, tmp_path, capsys):
     """``jonebit launch --nproc 2 --devices-per-proc 1 -- jonebit squad`` is one 2-rank job: the bytes each rank
     sends are the in-process 2-device run's, exactly; step 1's loss is the mean of the same two device losses, summed
     in an order each program chooses (at most one rounding apart: |diff| <= 2^-24 * loss); only process 0 writes
@@ -290,8 +305,7 @@ def test_launched_processes_fine_tune_as_one_job(tiny, tmp_path, capsys):
 
     from tests.mpi_util import worker_env
 
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert main(_tiny_argv(tiny, one, "--optimizer", "adam")) == 0
+    one, two = tiny_run[0], tmp_path / "two"
     launched = subprocess.run(
         [sys.executable, "-m", "jonebit", "launch", "--nproc", "2", "--devices-per-proc", "1", "--timeout", "600",
          "--", sys.executable, "-m", "jonebit", *_tiny_argv(tiny, two, "--optimizer", "adam")],

@@ -12,11 +12,10 @@ per-layer buffers, all gathered at the step's start:
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import jonebit
@@ -65,7 +64,6 @@ def tx():
     return jonebit.onebit_adam_zero(LR, freeze_step=FREEZE, stage=3, weight_decay=WEIGHT_DECAY)
 
 
-@functools.cache
 def run(scan: bool, steps: int = FREEZE + 2):
     """Parameters (stacked form, float64 leaves) after every step, the losses, and the step and its inputs."""
     loss_fn, stacked = _model_parts(CONFIG, scan=True)
@@ -83,6 +81,18 @@ def run(scan: bool, steps: int = FREEZE + 2):
         tree = tree if scan else restack(tree, LAYERS)
         trees.append([np.asarray(x, np.float64) for x in jax.tree.leaves(tree)])
     return trees, losses, step, first, sh
+
+
+@pytest.fixture(scope="module")
+def stacked_run():
+    """The stacked model's run (its step is also the one whose program the gather test reads)."""
+    return run(True)
+
+
+@pytest.fixture(scope="module")
+def list_run():
+    """The reference: the same model with its layers as a list, the same per-layer buffers."""
+    return run(False)
 
 
 def test_each_stacked_leaf_is_a_stack_of_per_layer_buffers():
@@ -104,6 +114,24 @@ def test_each_stacked_leaf_is_a_stack_of_per_layer_buffers():
     back = layout.from_chunks(chunks)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(stacked), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+# Before the trajectory test: it sets up the stacked run, so no one test's set-up holds both runs.
+def test_each_layer_is_gathered_inside_the_loop_never_a_whole_stack(stacked_run):
+    _, _, step, (p, s), _ = stacked_run
+    hlo = step.lower(p, s, batch(0), phases=((OneBitAdamZeroState, "compression"),)).compile().as_text()
+    gathers = [c for c in comm_report(hlo, N).always if c.op == "all-gather"]
+    layout = p.layout
+    stacks = [g for g in range(len(layout.groups)) if layout.stacked(g)]
+    layer_bytes = {4 * layout.padded(g) for g in stacks}
+    stack_bytes = {LAYERS * b for b in layer_bytes}
+    assert not {c.result_bytes for c in gathers} & stack_bytes  # never a whole stack
+    in_loop = [c for c in gathers if c.result_bytes in layer_bytes and (c.trips or 0) >= LAYERS]
+    outside = [c for c in gathers if c.result_bytes in layer_bytes and (c.trips or 0) < LAYERS]
+    # Every stacked leaf's layer chunks are gathered in the forward loop and again in the backward loop; a
+    # non-stacked buffer of the same size would be gathered once, outside.
+    assert len(in_loop) >= 2 * len(stacks) - len(outside), (len(in_loop), len(outside))
+    assert {c.result_bytes for c in in_loop} == layer_bytes
 
 
 # The stacked model's leaf paths, in the order of the trees the tests compare.
@@ -138,13 +166,13 @@ def _assert_same_update(before_want, after_want, before_got, after_got, what: st
     return flipped, total
 
 
-def test_stacked_layers_train_as_the_list_of_layers():
+def test_stacked_layers_train_as_the_list_of_layers(stacked_run, list_run):
     """Warmup is Adam, smooth in the gradient: the parameters agree elementwise to 1e-4 relative + 2e-6 absolute
     (steps of lr = 1e-3; the two programs sum the gradients in different orders, a few float32 ulps per step). The
     two compression steps (the first gathers the float32 momentum, the second decodes the packed one) are compared
     by their invariants; mirrored coordinates are few (<= 2%: a handful of sign patterns tie at the server)."""
-    want, want_losses, *_ = run(False)
-    got, losses, *_ = run(True)
+    want, want_losses, *_ = list_run
+    got, losses, *_ = stacked_run
     np.testing.assert_allclose(losses[:FREEZE + 1], want_losses[:FREEZE + 1], rtol=1e-5)  # from warmup params
     warm = FREEZE - 1
     for leaf, (w, g) in enumerate(zip(want[warm], got[warm], strict=True)):
@@ -154,29 +182,12 @@ def test_stacked_layers_train_as_the_list_of_layers():
         assert flipped <= 0.02 * total, f"step {t + 2}: {flipped} of {total} coordinates took the mirrored step"
 
 
-def test_each_layer_is_gathered_inside_the_loop_never_a_whole_stack():
-    _, _, step, (p, s), _ = run(True)
-    hlo = step.lower(p, s, batch(0), phases=((OneBitAdamZeroState, "compression"),)).compile().as_text()
-    gathers = [c for c in comm_report(hlo, N).always if c.op == "all-gather"]
-    layout = p.layout
-    stacks = [g for g in range(len(layout.groups)) if layout.stacked(g)]
-    layer_bytes = {4 * layout.padded(g) for g in stacks}
-    stack_bytes = {LAYERS * b for b in layer_bytes}
-    assert not {c.result_bytes for c in gathers} & stack_bytes  # never a whole stack
-    in_loop = [c for c in gathers if c.result_bytes in layer_bytes and (c.trips or 0) >= LAYERS]
-    outside = [c for c in gathers if c.result_bytes in layer_bytes and (c.trips or 0) < LAYERS]
-    # Every stacked leaf's layer chunks are gathered in the forward loop and again in the backward loop; a
-    # non-stacked buffer of the same size would be gathered once, outside.
-    assert len(in_loop) >= 2 * len(stacks) - len(outside), (len(in_loop), len(outside))
-    assert {c.result_bytes for c in in_loop} == layer_bytes
-
-
 def test_compiled_peak_is_below_the_whole_tree_gather():
     """The whole-tree step holds every gathered parameter (4 Psi_stack bytes) from the forward pass into the
     backward one, the layer-wise step at most two layers' (the one running and the next one's gather): its
     compiled peak must be lower by at least 4 Psi_stack (1 - 2 / L). Everything else (the model states, the
     compression's buffers, the layers outside the stack) is the same in both."""
-    config = BertConfig(vocab_size=256, hidden_size=128, num_hidden_layers=6, num_attention_heads=4,
+    config = BertConfig(vocab_size=256, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                         intermediate_size=512, max_position_embeddings=64, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0)
     layers = config.num_hidden_layers
