@@ -40,6 +40,7 @@ checkpoint).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
@@ -70,6 +71,62 @@ _ORBAX_TMP = ".orbax-checkpoint-tmp"
 # slicing op on the host (~2.7 ms on CPU): for the small arrays of a model's state that costs far more than it saves
 # (4.6 s of a 5 s save of a tiny BERT's 1-bit state, 8 devices). A replica's share below this size is not split off.
 MIN_REPLICA_SLICE_BYTES = 1 << 20
+
+
+def manager_handlers():
+    """Handlers for an orbax ``CheckpointManager`` of a ``TrainState`` item ``"state"`` (``StandardSave``) and a
+    JSON item ``"meta"``: orbax's own, except that arrays are split among replicas only in shares of at least
+    :data:`MIN_REPLICA_SLICE_BYTES`. ``None`` (orbax's defaults, said in the log) where this orbax lacks the parts
+    used; checkpoints are the same either way."""
+    import orbax.checkpoint as ocp
+
+    try:
+        from orbax.checkpoint._src.metadata import array_metadata_store
+        from orbax.checkpoint.type_handlers import ArrayHandler, create_type_handler_registry, get_type_handler
+
+        arrays = ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES,
+                              array_metadata_store=array_metadata_store.Store())
+        others = [(t, get_type_handler(t)) for t in (int, float, bytes, np.number, np.ndarray, str)]
+        types = create_type_handler_registry((jax.Array, arrays), *others)
+
+        class StateHandler(ocp.StandardCheckpointHandler):
+            """orbax's StandardCheckpointHandler over the registry above; recorded under orbax's name, so any
+            orbax reader restores these checkpoints as its own."""
+
+            def __init__(self):
+                super().__init__()
+                if type(self._impl) is not ocp.PyTreeCheckpointHandler:
+                    raise TypeError("StandardCheckpointHandler holds no PyTreeCheckpointHandler")
+                self._impl = ocp.PyTreeCheckpointHandler(type_handler_registry=types)
+
+            @classmethod
+            def typestr(cls) -> str:
+                return ocp.StandardCheckpointHandler.typestr()
+
+        state, meta = StateHandler(), ocp.JsonCheckpointHandler()
+    except (ImportError, AttributeError, TypeError) as e:
+        log.warning("checkpoints use orbax's default replica slicing (%s)", e)
+        return None
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    for args in (ocp.args.StandardSave, ocp.args.StandardRestore):
+        registry.add("state", args, state)
+    for args in (ocp.args.JsonSave, ocp.args.JsonRestore):
+        registry.add("meta", args, meta)
+    return registry
+
+
+def _save_context(ocp):
+    """The active orbax (v1) context with :data:`MIN_REPLICA_SLICE_BYTES` where it sets no minimum of its own."""
+    try:
+        from orbax.checkpoint.experimental.v1._src.context.context import get_context
+
+        context = ocp.Context(get_context())
+        if context.array.saving.min_slice_bytes_for_replica_parallel is None:
+            context.array.saving.min_slice_bytes_for_replica_parallel = MIN_REPLICA_SLICE_BYTES
+    except (ImportError, AttributeError, TypeError) as e:
+        log.warning("checkpoint.save uses orbax's default replica slicing (%s)", e)
+        return contextlib.nullcontext()
+    return context
 _FORMAT = 1
 
 # Called with the name of each step of a save ("write", "written", "swap", "swapped"); tests set it to
@@ -495,9 +552,7 @@ def save(path: str | pathlib.Path, state: Any, *, step: int, overwrite: bool = F
     world = _world_size(state)
     _phase("write")
     try:
-        context = ocp.Context()  # a replicated array split among replicas only in large shares
-        context.array.saving.min_slice_bytes_for_replica_parallel = MIN_REPLICA_SLICE_BYTES
-        with context:
+        with _save_context(ocp):
             ocp.save_checkpointables(new, items, custom_metadata={"step": int(step), "world_size": world})
         if _primary():
             _write_manifest(new, int(step), world)

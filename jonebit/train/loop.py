@@ -46,7 +46,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from jonebit.train.checkpoint import MIN_REPLICA_SLICE_BYTES
+from jonebit.train.checkpoint import manager_handlers
 from jonebit.train.engine import TrainState
 from jonebit.train.schedules import bad_learning_rate, check_schedule, lr_problem
 from jonebit.transforms.base import last_phase, phase_names
@@ -206,37 +206,6 @@ def _world_size(state: TrainState, mpi=None) -> int:
     return int(jax.tree.leaves(state.params)[0].sharding.mesh.size) * (1 if mpi is None else int(mpi.size))
 
 
-def _handlers(ocp):
-    """The manager's handlers: orbax's own, with arrays split among replicas only in shares of at least
-    :data:`MIN_REPLICA_SLICE_BYTES`. ``None`` (orbax's defaults) where this orbax lacks the parts used."""
-    try:
-        from orbax.checkpoint._src.metadata import array_metadata_store
-        from orbax.checkpoint.type_handlers import ArrayHandler, create_type_handler_registry, get_type_handler
-
-        arrays = ArrayHandler(min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES,
-                              array_metadata_store=array_metadata_store.Store())
-        others = [(t, get_type_handler(t)) for t in (int, float, bytes, np.number, np.ndarray, str)]
-        types = create_type_handler_registry((jax.Array, arrays), *others)
-
-        class StateHandler(ocp.StandardCheckpointHandler):
-            def __init__(self):
-                super().__init__()
-                if type(self._impl) is not ocp.PyTreeCheckpointHandler:
-                    raise TypeError("StandardCheckpointHandler holds no PyTreeCheckpointHandler")
-                self._impl = ocp.PyTreeCheckpointHandler(type_handler_registry=types)
-
-        state, meta = StateHandler(), ocp.JsonCheckpointHandler()
-    except (ImportError, AttributeError, TypeError) as e:
-        logging.getLogger(__name__).info("orbax's default array handling (%s)", e)
-        return None
-    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    for args, handler in ((ocp.args.StandardSave, state), (ocp.args.StandardRestore, state)):
-        registry.add("state", args, handler)
-    for args in (ocp.args.JsonSave, ocp.args.JsonRestore):
-        registry.add("meta", args, meta)
-    return registry
-
-
 class _Checkpoints:
     """orbax CheckpointManager of ``TrainState`` + JSON (data position, world size)."""
 
@@ -255,7 +224,7 @@ class _Checkpoints:
                 cleanup_tmp_directories=True,
                 create=True,
             ),
-            handler_registry=_handlers(ocp),
+            handler_registry=manager_handlers(),
         )
 
     def latest(self) -> int | None:
@@ -303,7 +272,7 @@ class _Checkpoints:
     def _check_dtypes(self, step: int, target: TrainState) -> None:
         """orbax casts each leaf to the target's dtype without a word (float32 into bfloat16 loses 16 bits of
         every value): refuse, naming the leaf. Trees that do not match are left to the restore's own error."""
-        try:  # the manager knows the item's handler only after a save in this process: ask the item itself
+        try:  # the item's own metadata, whatever handlers this process's manager holds
             saved = self.ocp.StandardCheckpointer().metadata(self.manager.directory / str(step) / "state")
         except Exception:  # noqa: BLE001 - no metadata to compare: the restore itself reports what is wrong
             return
@@ -399,7 +368,6 @@ def _flatten_aux(aux, prefix="aux") -> dict[str, float]:
     return out
 
 
-
 def summary_writer(logdir: pathlib.Path, purge_step: int | None = None):
     """tensorboardX's ``SummaryWriter``, imported without PyTorch.
 
@@ -407,7 +375,9 @@ def summary_writer(logdir: pathlib.Path, purge_step: int | None = None):
     That import costs about 1.2 s of every run's start-up (2.4 s of CPU), more than jax's, so it is kept out.
     """
     if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
-        sys.modules["torch"] = None  # `import torch` raises ImportError: tensorboardX takes its numpy-only path
+        # For this import only (another thread importing torch meanwhile would get the ImportError too), `import
+        # torch` raises ImportError: tensorboardX takes its numpy-only path.
+        sys.modules["torch"] = None
         try:
             import tensorboardX  # noqa: F401
         finally:

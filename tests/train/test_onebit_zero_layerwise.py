@@ -116,7 +116,8 @@ def test_each_stacked_leaf_is_a_stack_of_per_layer_buffers():
         np.testing.assert_array_equal(a, b)
 
 
-# Before the trajectory test: it sets up the stacked run, so no one test's set-up holds both runs.
+# Before the trajectory test in file order: it sets up the stacked run, so that (run in that order) no one test's
+# set-up holds both runs.
 def test_each_layer_is_gathered_inside_the_loop_never_a_whole_stack(stacked_run):
     _, _, step, (p, s), _ = stacked_run
     hlo = step.lower(p, s, batch(0), phases=((OneBitAdamZeroState, "compression"),)).compile().as_text()
@@ -211,8 +212,8 @@ def test_compiled_peak_is_below_the_whole_tree_gather():
 def test_engine_at_stage_3_with_bf16_resumes_exactly(tmp_path):
     """``OneBitAdam`` with ``zero_optimization.stage: 3`` and bf16 compute through
     :func:`jonebit.train.initialize.initialize` on the stacked model: the stacks stay per-layer chunks with a layer
-    axis; stopped after a checkpoint at the freeze and resumed in a new engine (other initial parameters, so only
-    the checkpoint can make it end alike), the run's compression steps end bit-identical to an uninterrupted run."""
+    axis; a new engine (other initial parameters, so only the checkpoint can make it end alike) resumed from the
+    checkpoint at the freeze ends its compression steps bit-identical to the uninterrupted run that wrote it."""
     from jonebit.train.onebit_zero import FlatParams
     from tests.train.test_zero_layerwise import B, _parts, straight_and_resumed
 

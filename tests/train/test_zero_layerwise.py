@@ -269,7 +269,7 @@ def test_quantized_weights_errors():
 
 def test_initialize_at_stage_3_resumes_exactly(tmp_path):
     """``zero_optimization.stage: 3`` through :func:`jonebit.train.initialize.initialize` with the stacked model:
-    stopped after a checkpoint and resumed in a new engine, the run ends bit-identical to an uninterrupted one,
+    resumed in a new engine from the step-2 checkpoint of an uninterrupted run, it ends bit-identical to that run,
     every leaf in its partitioned layout."""
     cfg = {"train_batch_size": B, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
            "zero_optimization": {"stage": 3}}
@@ -294,7 +294,7 @@ def straight_and_resumed(cfg: dict, loss_fn, params, tmp_path):
         start = params if seed == 0 else jax.tree.map(lambda x: x + 0.01, params)
         engine = initialize(cfg, loss_fn, start, mesh=mesh())
         loop = engine.loop_config(out, max_steps=4, progress_bar=False, tensorboard=False, checkpoint_every=2,
-                                  keep_checkpoints=2)
+                                  keep_checkpoints=2)  # step 2's too, whatever the default
         return engine.train(_Batches(), loop)
 
     straight = train(tmp_path / "straight", seed=0)

@@ -17,7 +17,7 @@ so the comparison is exact by construction. Record only from code whose behaviou
 
     python -m tests.transforms.golden_trajectories record   # rewrites tests/transforms/golden_trajectories.npz
     python -m tests.transforms.golden_trajectories check    # replays, prints the mismatches as JSON
-    python -m tests.transforms.golden_trajectories check per_phase 0/2   # a program per phase, the first half
+    python -m tests.transforms.golden_trajectories check per_phase 0/2   # a program per phase, share 0 of 2
 """
 
 from __future__ import annotations
@@ -259,7 +259,10 @@ def recorded(name: str) -> dict[str, np.ndarray]:
 
 
 def share(part: int, parts: int) -> list[str]:
-    """The cases of one of ``parts`` interleaved shares (the suite replays each share in a process of its own)."""
+    """The cases of share ``part`` (0 to ``parts`` - 1) of ``parts`` interleaved shares (the suite replays each in a
+    process of its own)."""
+    if not 0 <= part < parts:
+        raise ValueError(f"share {part}/{parts}: the share must be 0 to {parts - 1}")
     return list(CASES)[part::parts]
 
 
@@ -283,7 +286,7 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["record"]:
         record()
     elif sys.argv[1:2] == ["check"] and all(a == "per_phase" or re.fullmatch(r"\d+/\d+", a) for a in sys.argv[2:]):
-        # check [per_phase] [K/N]: the K-th of N interleaved shares of the cases (all of them without one)
+        # check [per_phase] [K/N]: share K (from 0) of N interleaved shares of the cases (all of them without one)
         shares = [tuple(map(int, a.split("/"))) for a in sys.argv[2:] if a != "per_phase"]
         names = share(*shares[0]) if shares else list(CASES)
         print(json.dumps({"cases": names, "mismatches": check("per_phase" in sys.argv[2:], names)}))

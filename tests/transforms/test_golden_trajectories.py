@@ -39,6 +39,8 @@ def test_replay_is_bit_identical(form, part):
 
 def test_the_shares_hold_every_case_once():
     assert sorted(c for k in range(SHARES) for c in share(k, SHARES)) == sorted(CASES)
+    with pytest.raises(ValueError, match=r"share 2/2: the share must be 0 to 1"):
+        share(SHARES, SHARES)
 
 
 def test_recording_exercises_what_it_claims():
