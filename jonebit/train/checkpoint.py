@@ -66,6 +66,11 @@ METADATA = "_CHECKPOINT_METADATA"
 NEW_SUFFIX = ".jonebit-new"
 OLD_SUFFIX = ".jonebit-old"
 _ORBAX_TMP = ".orbax-checkpoint-tmp"
+_FORMAT = 1
+
+# Called with the name of each step of a save ("write", "written", "swap", "swapped"); tests set it to
+# interrupt a save at a known point. None in normal use.
+_on_phase: Callable[[str], None] | None = None
 
 # orbax saves a replicated array by splitting it among its replicas (each writes a slice). Every slice is an eager
 # slicing op on the host (~2.7 ms on CPU): for the small arrays of a model's state that costs far more than it saves
@@ -127,11 +132,6 @@ def _save_context(ocp):
         log.warning("checkpoint.save uses orbax's default replica slicing (%s)", e)
         return contextlib.nullcontext()
     return context
-_FORMAT = 1
-
-# Called with the name of each step of a save ("write", "written", "swap", "swapped"); tests set it to
-# interrupt a save at a known point. None in normal use.
-_on_phase: Callable[[str], None] | None = None
 
 
 class CheckpointError(ValueError):

@@ -64,7 +64,6 @@ from jonebit.train.step import (
     axis_dim,
     flat_layers_loss,
     gather_shards,
-    keep_if,
     layerwise_gathering,
     local_gradients,
     local_view,
@@ -77,6 +76,7 @@ from jonebit.train.step import (
 )
 from jonebit.train.zero import init_zero
 from jonebit.transforms.base import moves_params_per_rank
+from jonebit.transforms.nonfinite import keep_if
 from jonebit.transforms.onebit_adam import local_abstract_state, sharded_init
 from jonebit.transforms.phases import fixed_phases, has_phases, next_phases
 

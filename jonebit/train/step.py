@@ -33,7 +33,6 @@ from jonebit.comm.backends import as_varying
 from jonebit.comm.quantized_gather import quantized_all_gather
 from jonebit.sharding.layerwise import FlatLayer, flat_gathering, gathering, is_stacked
 from jonebit.train.onebit_zero import FlatParams
-from jonebit.transforms.nonfinite import keep_if  # noqa: F401  (the step's skip: one rule for both)
 from jonebit.transforms.onebit_adam_zero import OneBitAdamZeroState
 
 REDUCTIONS = (None, "mean", "mean_bf16")

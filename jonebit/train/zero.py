@@ -62,7 +62,6 @@ from jonebit.train.step import (
     apply_optimizer,
     flat_layers_loss,
     gather_shards,
-    keep_if,
     layerwise_gathering,
     local_gradients,
     local_view,
@@ -72,6 +71,7 @@ from jonebit.train.step import (
     reduce_scatter,
     sharded_norm_sq,
 )
+from jonebit.transforms.nonfinite import keep_if
 from jonebit.transforms.onebit_adam import local_abstract_state
 from jonebit.transforms.phases import jit_per_phase
 
