@@ -553,6 +553,8 @@ def make_train_step(
                       donate_argnums=donated)
 
     programs: dict = {}
+    # Read once: a state without phases (every standard optimizer) needs no walk of its tree on every step.
+    phased = has_phases(specs.opt_state)
 
     def jitted_for(phases):
         """``(jitted, keep_state)`` for the phases (``None``: every phase in one program), built once each: a jit
@@ -562,18 +564,43 @@ def make_train_step(
                 with fixed_phases(phases):
                     return fn(state, batch)
 
-            # At stage 0 also the same step with the optimizer state passed apart and not donated (``compiled``).
+            # At stage 0 also the same step with the optimizer state passed apart and not donated (``compiled``),
+            # for a standard optimizer: the 1-bit family's states (those with phases) keep their donation. (Under MPI
+            # the step runs the jit object itself, never a program ``compiled`` chose.)
             keep = jax.jit(lambda rest, opt_state, batch: traced(rest._replace(opt_state=opt_state), batch),
-                           donate_argnums=(0,)) if stage == 0 and donate else None
+                           donate_argnums=(0,)) if stage == 0 and donate and mpi is None and not phased else None
             programs[phases] = jax.jit(traced, **jit_kw), keep
         return programs[phases]
 
-    # Read once: a state without phases (every standard optimizer) needs no walk of its tree on every step.
-    phased = per_phase and has_phases(specs.opt_state)
+    def donation_copies_state(state: TrainState, phases) -> bool:
+        """Whether a donating step would copy at least 90% of the optimizer state's bytes whole, judged from the part
+        of the step where such copies come from: the optimizer's update and the skip's selects, compiled alone with
+        the parameters and optimizer state donated (an elementwise program, a fraction of the whole step's compile)."""
+        def update_alone(params, opt_state, grads, bad):
+            with fixed_phases(phases):
+                _, tx_params, rewrap = local_view(params, axis)
+                grads = reduce(jax.tree.map(lambda g: g[0], grads), grad_reduce, axis)
+                new, new_opt = apply_optimizer(tx, grads, opt_state, tx_params)
+                return keep_if(bad, params, rewrap(new)), keep_if(bad, opt_state, new_opt)
+
+        mapped = per_device(update_alone, mesh, in_specs=(specs.params, specs.opt_state, P(axis), P()),
+                            out_specs=(specs.params, specs.opt_state))
+        sds = lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)  # noqa: E731
+        params, opt_state = (jax.tree.map(lambda x: sds(x, x.sharding), t) for t in (state.params, state.opt_state))
+        own = state.params.copies if isinstance(state.params, RankParams) else jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct((ranks, *p.shape), p.dtype), state.params)  # one gradient per rank
+        grads = jax.tree.map(lambda g: sds(g, batch_sharding), own)
+        bad = jax.ShapeDtypeStruct((), jnp.bool_, sharding=replicated)
+        text = jax.jit(mapped, donate_argnums=(0, 1)).lower(params, opt_state, grads, bad).compile().as_text()
+        first = len(jax.tree.leaves(state.params))
+        sizes = [np.size(x) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.opt_state)]
+        copied = copied_parameters(text)
+        return 10 * sum(b for i, b in enumerate(sizes) if first + i in copied) >= 9 * sum(sizes)
+
 
     def phases_of(state: TrainState):
         """The phases the next update runs (read from the state), or None for the one program with every phase."""
-        return next_phases(state.opt_state) if phased else None
+        return next_phases(state.opt_state) if per_phase and phased else None
 
     jitted = jitted_for(None)[0]
 
@@ -617,7 +644,8 @@ def make_train_step(
         it first copies every donated moment whole (XLA:CPU does, for optax's Adam). A program whose copies hold
         at least 90% of the optimizer state's bytes is replaced by the same step with the optimizer state not
         donated: nearly the same peak memory (the copies were that large) without the copying. Other programs
-        keep the donation (1-bit optimizers: only their step count is copied).
+        keep the donation (the 1-bit family's: only their step count is copied). Which of the two a standard
+        optimizer's step is, is judged before the step is compiled (``donation_copies_state``): it compiles once.
         """
         phases = phases_of(state)
         # One walk of the tree per step (this runs on the host before every step; dtypes hash as they are).
@@ -627,16 +655,11 @@ def make_train_step(
             check_layout(state)
             batch = jax.device_put(batch, batch_sharding)
             jitted, keep_state = jitted_for(phases)
-            program = jitted.lower(state, batch).compile()
-            if keep_state is not None:
-                # The program's parameters are the leaves of (state, batch) in order; TrainState's fields put
-                # the optimizer state's leaves after those of step and params.
-                first = len(jax.tree.leaves((state.step, state.params)))
-                sizes = [np.size(x) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.opt_state)]
-                copied = copied_parameters(program.as_text())
-                if 10 * sum(b for i, b in enumerate(sizes) if first + i in copied) >= 9 * sum(sizes):
-                    kept = keep_state.lower(state._replace(opt_state=None), state.opt_state, batch).compile()
-                    program = _KeptOptState(kept)
+            if keep_state is not None and donation_copies_state(state, phases):
+                kept = keep_state.lower(state._replace(opt_state=None), state.opt_state, batch).compile()
+                program = _KeptOptState(kept)
+            else:
+                program = jitted.lower(state, batch).compile()
             cache[key] = program
         return cache[key]
 
