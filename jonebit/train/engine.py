@@ -572,16 +572,16 @@ def make_train_step(
             programs[phases] = jax.jit(traced, **jit_kw), keep
         return programs[phases]
 
-    def donation_copies_state(state: TrainState, phases) -> bool:
-        """Whether a donating step would copy at least 90% of the optimizer state's bytes whole, judged from the part
-        of the step where such copies come from: the optimizer's update and the skip's selects, compiled alone with
-        the parameters and optimizer state donated (an elementwise program, a fraction of the whole step's compile)."""
+    def donation_copies_state(state: TrainState) -> bool:
+        """Whether a donating step of a standard optimizer would copy at least 90% of the optimizer state's bytes
+        whole, judged from the part of the step where such copies come from: the optimizer's update and the skip's
+        selects, compiled alone with the parameters and optimizer state donated (an elementwise program, a fraction
+        of the whole step's compile; the program's parameters: those of params, then those of the state)."""
         def update_alone(params, opt_state, grads, bad):
-            with fixed_phases(phases):
-                _, tx_params, rewrap = local_view(params, axis)
-                grads = reduce(jax.tree.map(lambda g: g[0], grads), grad_reduce, axis)
-                new, new_opt = apply_optimizer(tx, grads, opt_state, tx_params)
-                return keep_if(bad, params, rewrap(new)), keep_if(bad, opt_state, new_opt)
+            _, tx_params, rewrap = local_view(params, axis)
+            grads = reduce(jax.tree.map(lambda g: g[0], grads), grad_reduce, axis)
+            new, new_opt = apply_optimizer(tx, grads, opt_state, tx_params)
+            return keep_if(bad, params, rewrap(new)), keep_if(bad, opt_state, new_opt)
 
         mapped = per_device(update_alone, mesh, in_specs=(specs.params, specs.opt_state, P(axis), P()),
                             out_specs=(specs.params, specs.opt_state))
@@ -596,7 +596,6 @@ def make_train_step(
         sizes = [np.size(x) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.opt_state)]
         copied = copied_parameters(text)
         return 10 * sum(b for i, b in enumerate(sizes) if first + i in copied) >= 9 * sum(sizes)
-
 
     def phases_of(state: TrainState):
         """The phases the next update runs (read from the state), or None for the one program with every phase."""
@@ -655,7 +654,7 @@ def make_train_step(
             check_layout(state)
             batch = jax.device_put(batch, batch_sharding)
             jitted, keep_state = jitted_for(phases)
-            if keep_state is not None and donation_copies_state(state, phases):
+            if keep_state is not None and donation_copies_state(state):
                 kept = keep_state.lower(state._replace(opt_state=None), state.opt_state, batch).compile()
                 program = _KeptOptState(kept)
             else:
