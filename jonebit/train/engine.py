@@ -575,25 +575,28 @@ def make_train_step(
     def donation_copies_state(state: TrainState) -> bool:
         """Whether a donating step of a standard optimizer would copy at least 90% of the optimizer state's bytes
         whole, judged from the part of the step where such copies come from: the optimizer's update and the skip's
-        selects, compiled alone with the parameters and optimizer state donated (an elementwise program, a fraction
-        of the whole step's compile; the program's parameters: those of params, then those of the state)."""
-        def update_alone(params, opt_state, grads, bad):
-            _, tx_params, rewrap = local_view(params, axis)
-            grads = reduce(jax.tree.map(lambda g: g[0], grads), grad_reduce, axis)
-            new, new_opt = apply_optimizer(tx, grads, opt_state, tx_params)
-            return keep_if(bad, params, rewrap(new)), keep_if(bad, opt_state, new_opt)
-
-        mapped = per_device(update_alone, mesh, in_specs=(specs.params, specs.opt_state, P(axis), P()),
-                            out_specs=(specs.params, specs.opt_state))
-        sds = lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)  # noqa: E731
-        params, opt_state = (jax.tree.map(lambda x: sds(x, x.sharding), t) for t in (state.params, state.opt_state))
-        own = state.params.copies if isinstance(state.params, RankParams) else jax.tree.map(
-            lambda p: jax.ShapeDtypeStruct((ranks, *p.shape), p.dtype), state.params)  # one gradient per rank
-        grads = jax.tree.map(lambda g: sds(g, batch_sharding), own)
-        bad = jax.ShapeDtypeStruct((), jnp.bool_, sharding=replicated)
-        text = jax.jit(mapped, donate_argnums=(0, 1)).lower(params, opt_state, grads, bad).compile().as_text()
-        first = len(jax.tree.leaves(state.params))
+        decision and selects, compiled alone from the gradients with the parameters and optimizer state donated (an
+        elementwise program, a fraction of the whole step's compile; its parameters: those of params, then those of
+        the state)."""
         sizes = [np.size(x) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.opt_state)]
+        if not sum(sizes):  # nothing to copy (e.g. plain SGD)
+            return False
+
+        def update_alone(params, opt_state, grads):
+            grads = reduce(jax.tree.map(lambda g: g[0], grads), grad_reduce, axis)
+            bad = nonfinite(norm_sq(grads) if grad_reduce is not None else lax.pmean(norm_sq(grads), axis))
+            new, new_opt = apply_optimizer(tx, grads, opt_state, params)
+            return keep_if(bad, params, new), keep_if(bad, opt_state, new_opt)
+
+        mapped = per_device(update_alone, mesh, in_specs=(specs.params, specs.opt_state, P(axis)),
+                            out_specs=(specs.params, specs.opt_state))
+        sds = lambda x, sharding: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)  # noqa: E731
+        params, opt_state = (jax.tree.map(lambda x: sds(x, getattr(x, "sharding", replicated)), t)
+                             for t in (state.params, state.opt_state))
+        grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct((ranks, *np.shape(p)), p.dtype, sharding=batch_sharding),
+                             state.params)  # one gradient per rank
+        text = jax.jit(mapped, donate_argnums=(0, 1)).lower(params, opt_state, grads).compile().as_text()
+        first = len(jax.tree.leaves(state.params))
         copied = copied_parameters(text)
         return 10 * sum(b for i, b in enumerate(sizes) if first + i in copied) >= 9 * sum(sizes)
 
@@ -643,8 +646,9 @@ def make_train_step(
         it first copies every donated moment whole (XLA:CPU does, for optax's Adam). A program whose copies hold
         at least 90% of the optimizer state's bytes is replaced by the same step with the optimizer state not
         donated: nearly the same peak memory (the copies were that large) without the copying. Other programs
-        keep the donation (the 1-bit family's: only their step count is copied). Which of the two a standard
-        optimizer's step is, is judged before the step is compiled (``donation_copies_state``): it compiles once.
+        keep the donation; the 1-bit family's always do (their error buffers, most of their state, are updated in
+        place, never copied). Which of the two a standard optimizer's step is, is judged before the step is
+        compiled (``donation_copies_state``): it compiles once.
         """
         phases = phases_of(state)
         # One walk of the tree per step (this runs on the host before every step; dtypes hash as they are).

@@ -217,8 +217,8 @@ def test_squad_fine_tuning_learns_the_synthetic_task(tmp_path, minilm_2):
     before = evaluate(dev, _predict(minilm_2, dev, seq=40, query=8))
     out = tmp_path / "run"
     # A process of its own, at XLA's default level and emitters: this run's time is spent compiling one step of
-    # MiniLM's first two layers and running 12 of them, where the suite's -O0 and classic emitters make a run slower
-    # (all six layers: 66 against 39 s alone; two: 21 s alone).
+    # MiniLM's first two layers and running 12 of them, where the suite's -O0 and classic emitters make a run
+    # slower.
     env = {**os.environ, "XLA_FLAGS": HANG_GUARD, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
         [sys.executable, "-m", "jonebit", "squad", "--train-file", str(_write(tmp_path / "train.json", train)),
