@@ -344,6 +344,14 @@ def copied_parameters(hlo_text: str) -> set[int]:
     return {int(names[p]) for p in re.findall(r"\bcopy\(%([\w.\-]+)\)", entry) if p in names}
 
 
+def copied_fraction(hlo_text: str, arrays, first: int) -> float:
+    """The fraction of the bytes of ``arrays`` (a tree whose leaves are the program's entry parameters ``first``,
+    ``first + 1``, ...) that an optimised HLO module copies whole (0 for a tree of no bytes)."""
+    sizes = [np.size(x) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(arrays)]
+    copied = copied_parameters(hlo_text)
+    return sum(b for i, b in enumerate(sizes) if first + i in copied) / sum(sizes) if sum(sizes) else 0.0
+
+
 class _KeptOptState:
     """A step compiled with the optimizer state passed apart and not donated, called like the plain one."""
 
@@ -487,6 +495,19 @@ def make_train_step(
             metrics["aux"] = jax.tree.map(lambda a: lax.pmean(jnp.mean(jnp.asarray(a, jnp.float32), 0), axis), auxes)
         return metrics
 
+    def taken_and_norm_sq(grads):
+        """The gradient the optimizer takes (the mean over the ranks with ``grad_reduce="mean"``, else this rank's
+        own) and the squared norm the skip decision reads (of that mean, or the ranks' mean of their own)."""
+        if grad_reduce == "mean":
+            grads = reduce(grads, grad_reduce, axis)
+            return grads, norm_sq(grads)
+        return grads, lax.pmean(norm_sq(grads), axis)
+
+    def update_unless(overflow, params, opt_state, grads, opt_in, tx_params, rewrap):
+        """``(params, opt_state)`` after one update, or both as they came in where ``overflow``."""
+        new, new_opt = apply_optimizer(tx, grads, opt_in, tx_params)
+        return keep_if(overflow, params, rewrap(new)), keep_if(overflow, opt_state, new_opt)
+
     def body(state: TrainState, batch):
         """Stage 0, and the 1-bit optimizers at every stage: the whole step in the per-device view."""
         # 1-bit ZeRO-3's chunks are gathered in the compute dtype (the cast commutes with the gather).
@@ -496,19 +517,13 @@ def make_train_step(
         grads, losses, auxes = local_grads(local, state.step, scale, batch, uncast, fn)
         grads, losses, opt_in = after_backward(state.params, grads, losses, state.opt_state)
 
-        if grad_reduce == "mean":
-            grads = reduce(grads, grad_reduce, axis)
-            grad_norm_sq = norm_sq(grads)
-        else:
-            grad_norm_sq = lax.pmean(norm_sq(grads), axis)
-            if mpi is not None:  # the scalars, over the MPI processes too (one collective)
-                grad_norm_sq, losses, auxes = _mpi_scalars(mpi, grad_norm_sq, losses, auxes)
+        grads, grad_norm_sq = taken_and_norm_sq(grads)
+        if grad_reduce != "mean" and mpi is not None:  # the scalars, over the MPI processes too (one collective)
+            grad_norm_sq, losses, auxes = _mpi_scalars(mpi, grad_norm_sq, losses, auxes)
         grad_norm = jnp.sqrt(grad_norm_sq)
         overflow = nonfinite(grad_norm_sq)
 
-        new, new_opt = apply_optimizer(tx, grads, opt_in, tx_params)
-        params = keep_if(overflow, state.params, rewrap(new))
-        opt_state = keep_if(overflow, state.opt_state, new_opt)
+        params, opt_state = update_unless(overflow, state.params, state.opt_state, grads, opt_in, tx_params, rewrap)
         new = TrainState(
             step=state.step + 1,
             params=params,
@@ -578,15 +593,12 @@ def make_train_step(
         decision and selects, compiled alone from the gradients with the parameters and optimizer state donated (an
         elementwise program, a fraction of the whole step's compile; its parameters: those of params, then those of
         the state)."""
-        sizes = [np.size(x) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(state.opt_state)]
-        if not sum(sizes):  # nothing to copy (e.g. plain SGD)
+        if not any(np.size(x) for x in jax.tree.leaves(state.opt_state)):  # nothing to copy (e.g. plain SGD)
             return False
 
         def update_alone(params, opt_state, grads):
-            grads = reduce(jax.tree.map(lambda g: g[0], grads), grad_reduce, axis)
-            bad = nonfinite(norm_sq(grads) if grad_reduce is not None else lax.pmean(norm_sq(grads), axis))
-            new, new_opt = apply_optimizer(tx, grads, opt_state, params)
-            return keep_if(bad, params, new), keep_if(bad, opt_state, new_opt)
+            grads, grad_norm_sq = taken_and_norm_sq(jax.tree.map(lambda g: g[0], grads))
+            return update_unless(nonfinite(grad_norm_sq), params, opt_state, grads, opt_state, params, lambda x: x)
 
         mapped = per_device(update_alone, mesh, in_specs=(specs.params, specs.opt_state, P(axis)),
                             out_specs=(specs.params, specs.opt_state))
@@ -596,9 +608,7 @@ def make_train_step(
         grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct((ranks, *np.shape(p)), p.dtype, sharding=batch_sharding),
                              state.params)  # one gradient per rank
         text = jax.jit(mapped, donate_argnums=(0, 1)).lower(params, opt_state, grads).compile().as_text()
-        first = len(jax.tree.leaves(state.params))
-        copied = copied_parameters(text)
-        return 10 * sum(b for i, b in enumerate(sizes) if first + i in copied) >= 9 * sum(sizes)
+        return copied_fraction(text, state.opt_state, first=len(jax.tree.leaves(state.params))) >= 0.9
 
     def phases_of(state: TrainState):
         """The phases the next update runs (read from the state), or None for the one program with every phase."""
